@@ -1,0 +1,63 @@
+"""What every component is: a class with a kind, a registered name and a pydantic `Params` model.
+
+The engine builds components in `COMPONENT_KINDS` order and hands each the same `BuildContext`, which
+carries the model source and the components built before it. A component may call the public methods of
+an earlier one (the request processor calls the tokenizer) but never its private state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from wde.model_source import ModelSource
+
+COMPONENT_KINDS: tuple[str, ...] = (
+    "tokenizer",
+    "input_processor",
+    "request_processor",
+    "scheduler",
+    "model_input_builder",
+    "attention",
+    "model",
+    "pooler",
+    "runner",
+    "executor",
+    "output_processor",
+)
+"""Every workflow names one component of each kind; this is also the order they are built in."""
+
+
+class Params(BaseModel):
+    """Base for component parameter models: unknown keys are errors, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Component:
+    """Base class of all components. Subclasses set `kind`, `name` and, when they take any, `Params`."""
+
+    kind: ClassVar[str]
+    name: ClassVar[str]
+    Params: ClassVar[type[Params]] = Params
+
+    def __init__(self, params: Params, ctx: "BuildContext") -> None:
+        self.params = params
+
+
+@dataclass
+class BuildContext:
+    """What a component may use while it is built: the model source, the workflow, earlier components."""
+
+    source: "ModelSource"
+    workflow_name: str
+    components: dict[str, Component] = field(default_factory=dict)
+
+    def __getattr__(self, kind: str) -> Any:
+        components = self.__dict__.get("components", {})
+        if kind in components:
+            return components[kind]
+        raise AttributeError(f"component {kind!r} is not built yet (build order: {', '.join(COMPONENT_KINDS)})")

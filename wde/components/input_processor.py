@@ -1,0 +1,97 @@
+"""Input processors: validate what a user sent and wrap it as a `Request`, cheaply.
+
+No tokenization happens here (seed 000): a burst of submissions must not block on the tokenizer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Mapping
+
+from pydantic import Field
+
+from wde.components.base import BuildContext, Component, Params
+from wde.errors import RequestError
+from wde.request import PairPrompt, PoolingParams, Prompt, Request, TextPrompt, TokensPrompt
+
+
+class TextInputParams(Params):
+    prompts: dict[str, str] = Field(default_factory=dict, description="named instruction prefixes, e.g. query")
+    default_prompt_name: str | None = None
+    pairs: Literal["forbid", "allow", "require"] = "forbid"
+    max_input_chars: int = Field(1_000_000, gt=0, description="reject longer texts before tokenizing them")
+
+
+class TextInputProcessor(Component):
+    """Accepts a str, `{"text": ...}`, `{"token_ids": [...]}` or, for cross-encoders, a (text, text_pair) pair.
+
+    Prompts come from the workflow and from sentence-transformers' `config_sentence_transformers.json`
+    (the workflow wins on a name clash).
+    """
+
+    kind = "input_processor"
+    name = "text_input"
+    Params = TextInputParams
+
+    def __init__(self, params: TextInputParams, ctx: BuildContext) -> None:
+        super().__init__(params, ctx)
+        st = ctx.source.read_json("config_sentence_transformers.json") or {}
+        self.prompts: dict[str, str] = {**(st.get("prompts") or {}), **params.prompts}
+        self.default_prompt_name = params.default_prompt_name or st.get("default_prompt_name")
+        if self.default_prompt_name and self.default_prompt_name not in self.prompts:
+            raise ValueError(f"input_processor.params.default_prompt_name {self.default_prompt_name!r} is not one of the prompts {sorted(self.prompts)}")
+        self._vocab_size = ctx.tokenizer.vocab_size
+
+    def _text(self, value: Any, field: str) -> str:
+        if not isinstance(value, str):
+            raise RequestError(f"{field} must be a string, got {type(value).__name__}", field)
+        if not value.strip():
+            raise RequestError(f"{field} is empty (after stripping whitespace); send non-empty text", field)
+        if len(value) > self.params.max_input_chars:
+            raise RequestError(f"{field} has {len(value)} characters; the limit is {self.params.max_input_chars}", field)
+        return value
+
+    def _prompt_prefix(self, params: PoolingParams) -> str:
+        if params.prompt is not None:
+            return params.prompt
+        name = params.prompt_name or self.default_prompt_name
+        if name is None:
+            return ""
+        if name not in self.prompts:
+            raise RequestError(f"prompt_name {name!r} is not defined; defined prompts: {sorted(self.prompts) or 'none'}", "prompt_name")
+        return self.prompts[name]
+
+    def to_prompt(self, inputs: Any, params: PoolingParams, field: str = "input") -> Prompt:
+        """Validate one input and return its prompt; raise `RequestError` naming the field on bad input."""
+        if isinstance(inputs, Mapping):
+            if "token_ids" in inputs:
+                return self._tokens(inputs["token_ids"], f"{field}.token_ids")
+            if "text_pair" in inputs:
+                inputs = (inputs.get("text"), inputs["text_pair"])
+            elif "text" in inputs:
+                inputs = inputs["text"]
+            else:
+                raise RequestError(f"{field} must have a 'text' or 'token_ids' key", field)
+        if isinstance(inputs, (tuple, list)) and len(inputs) == 2 and all(isinstance(x, str) for x in inputs):
+            if self.params.pairs == "forbid":
+                raise RequestError(f"{field}: this model embeds single texts, not (text, text_pair) pairs", field)
+            return PairPrompt(self._prompt_prefix(params) + self._text(inputs[0], f"{field}[0]"), self._text(inputs[1], f"{field}[1]"))
+        if isinstance(inputs, (tuple, list)) and inputs and all(isinstance(x, int) and not isinstance(x, bool) for x in inputs):
+            return self._tokens(inputs, field)
+        text = self._text(inputs, field)
+        if self.params.pairs == "require":
+            raise RequestError(f"{field}: this model scores (text, text_pair) pairs; a single text was given", field)
+        return TextPrompt(self._prompt_prefix(params) + text)
+
+    def _tokens(self, ids: Any, field: str) -> TokensPrompt:
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise RequestError(f"{field} must be a non-empty list of token ids", field)
+        for i in ids:
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self._vocab_size:
+                raise RequestError(f"{field} contains {i!r}; token ids must be integers in [0, {self._vocab_size})", field)
+        return TokensPrompt(tuple(ids))
+
+    def process(self, request_id: str, inputs: Any, params: PoolingParams | None = None,
+                arrival_time: float | None = None) -> Request:
+        params = params or PoolingParams()
+        return Request(request_id, self.to_prompt(inputs, params), params, arrival_time or time.perf_counter())

@@ -1,0 +1,1 @@
+"""Model implementations: packed (unpadded) forward passes that load Hugging Face checkpoints."""

@@ -1,0 +1,75 @@
+"""A generic checkpoint loader driven by each model's `checkpoint_prefixes` and `packed_modules_mapping`."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from wde.errors import ModelLoadError
+
+_LEGACY = {".gamma": ".weight", ".beta": ".bias"}
+
+
+def _target_name(name: str, prefixes: tuple[str, ...]) -> str:
+    for prefix in prefixes:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    for old, new in _LEGACY.items():
+        if name.endswith(old):
+            name = name[: -len(old)] + new
+    return name
+
+
+def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], prefixes: tuple[str, ...],
+                 packed: dict[str, tuple[str, int]]) -> None:
+    """Copy checkpoint tensors into `module`'s parameters; checkpoint tensors the module lacks are heads or
+    buffers other components load (or nobody needs) and are skipped. Every parameter must be filled.
+
+    A parameter fused from several checkpoint tensors has a `shard_offsets` attribute: shard id →
+    (start, size) along dim 0.
+    """
+    params = dict(module.named_parameters())
+    filled: dict[str, int] = {}
+    for raw_name, tensor in weights:
+        name = _target_name(raw_name, prefixes)
+        shard = None
+        for src, (dst, shard_id) in packed.items():
+            if f".{src}." in f".{name}":
+                name = f".{name}".replace(f".{src}.", f".{dst}.", 1)[1:]
+                shard = shard_id
+                break
+        param = params.get(name)
+        if param is None:
+            continue
+        with torch.no_grad():
+            if shard is None:
+                if param.shape != tensor.shape:
+                    raise ModelLoadError(f"{raw_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+                param.copy_(tensor.to(param.dtype))
+                filled[name] = len(getattr(param, "shard_offsets", {None: 0}))
+            else:
+                start, size = param.shard_offsets[shard]  # type: ignore[attr-defined]
+                if tensor.shape[0] != size or tuple(tensor.shape[1:]) != tuple(param.shape[1:]):
+                    raise ModelLoadError(f"{raw_name}: checkpoint shape {tuple(tensor.shape)} does not fit shard {shard} of {name}")
+                param[start:start + size].copy_(tensor.to(param.dtype))
+                filled[name] = filled.get(name, 0) + 1
+    missing = [n for n, p in params.items() if filled.get(n, 0) < len(getattr(p, "shard_offsets", {None: 0}))]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ModelLoadError(f"checkpoint lacks weights for {shown}")
+
+
+def fused_linear(in_features: int, sizes: list[int], bias: bool) -> nn.Linear:
+    """One Linear computing several projections at once (q|k|v or gate|up): one GEMM instead of several."""
+    linear = nn.Linear(in_features, sum(sizes), bias=bias)
+    offsets, start = {}, 0
+    for i, size in enumerate(sizes):
+        offsets[i] = (start, size)
+        start += size
+    linear.weight.shard_offsets = offsets  # type: ignore[attr-defined]
+    if bias:
+        linear.bias.shard_offsets = offsets  # type: ignore[attr-defined]
+    return linear

@@ -1,0 +1,133 @@
+"""Poolers: turn packed hidden states into per-request outputs, on the device, before the copy back.
+
+Every pooler returns a `Pooled`: tensors with one row per request (`rows`), and/or flat per-token tensors
+split by boundaries (`ragged`, e.g. per-token embeddings). The output processor only slices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from wde.components.base import BuildContext, Component, Params
+from wde.components.model_input_builder import ModelInput
+from wde.errors import ModelLoadError
+
+PoolingMode = Literal["cls", "mean", "max", "last", "all"]
+
+
+@dataclass
+class Pooled:
+    """Per-request results of one batch. `ragged[name] = (flat, bounds)`: request i owns flat[bounds[i]:bounds[i+1]]."""
+
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    ragged: dict[str, tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
+
+    def to(self, device: str | torch.device) -> "Pooled":
+        return Pooled({k: v.to(device) for k, v in self.rows.items()},
+                      {k: (v.to(device), b) for k, (v, b) in self.ragged.items()})
+
+
+def segment_ids(batch: ModelInput) -> torch.Tensor:
+    """For every packed token, the index of the sequence it belongs to."""
+    lens = torch.tensor(batch.seq_lens, device=batch.input_ids.device)
+    return torch.repeat_interleave(torch.arange(batch.num_seqs, device=lens.device), lens)
+
+
+def pool(hidden: torch.Tensor, batch: ModelInput, mode: PoolingMode) -> torch.Tensor:
+    """[num_seqs, hidden] pooled states (not for mode 'all', which keeps every token)."""
+    cu = batch.cu_seqlens.long()
+    if mode == "cls":
+        return hidden[cu[:-1]]
+    if mode == "last":
+        return hidden[cu[1:] - 1]
+    seg = segment_ids(batch)
+    h = hidden.float()
+    if mode == "mean":
+        sums = torch.zeros(batch.num_seqs, h.shape[1], device=h.device, dtype=h.dtype).index_add_(0, seg, h)
+        lens = (cu[1:] - cu[:-1]).to(h.dtype)
+        return (sums / lens[:, None]).to(hidden.dtype)
+    if mode == "max":
+        init = torch.full((batch.num_seqs, h.shape[1]), float("-inf"), device=h.device, dtype=h.dtype)
+        return init.index_reduce_(0, seg, h, "amax").to(hidden.dtype)
+    raise ValueError(f"unknown pooling mode {mode!r}")
+
+
+def finish_embeddings(x: torch.Tensor, batch: ModelInput, normalize_default: bool) -> torch.Tensor:
+    """Apply per-request `dimensions` (matryoshka truncation) and normalization, in that order."""
+    x = x.float()
+    dims = [p.dimensions for p in batch.pooling_params]
+    norms = [normalize_default if p.normalize is None else p.normalize for p in batch.pooling_params]
+    if any(d is not None for d in dims):
+        width = min(d or x.shape[1] for d in dims)
+        if all(d == width for d in dims):
+            x = x[:, :width]
+        else:
+            x = x.clone()
+            for i, d in enumerate(dims):
+                if d is not None:
+                    x[i, d:] = 0.0
+    if all(norms):
+        return F.normalize(x, dim=-1)
+    if any(norms):
+        mask = torch.tensor(norms, device=x.device)[:, None]
+        return torch.where(mask, F.normalize(x, dim=-1), x)
+    return x
+
+
+class SentencePoolerParams(Params):
+    pooling: Literal["auto", "cls", "mean", "max", "last", "all"] = "auto"
+    """auto: read sentence-transformers' Pooling config from the model folder."""
+    normalize: bool | Literal["auto"] = "auto"
+    """auto: true when the model's modules.json has a Normalize module."""
+
+
+_ST_MODES = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_lasttoken": "last",
+}
+
+
+class SentencePooler(Component):
+    """CLS, mean, max, last-token or all-token pooling with optional L2 normalization (output 'dense')."""
+
+    kind = "pooler"
+    name = "sentence"
+    Params = SentencePoolerParams
+
+    def __init__(self, params: SentencePoolerParams, ctx: BuildContext) -> None:
+        super().__init__(params, ctx)
+        self.mode: PoolingMode = params.pooling if params.pooling != "auto" else self._st_mode(ctx)  # type: ignore[assignment]
+        if params.normalize == "auto":
+            self.normalize = ctx.source.st_module_path("Normalize") is not None
+        else:
+            self.normalize = bool(params.normalize)
+        self.outputs = ("token_embeddings",) if self.mode == "all" else ("dense",)
+
+    @staticmethod
+    def _st_mode(ctx: BuildContext) -> str:
+        folder = ctx.source.st_module_path("Pooling")
+        cfg = ctx.source.read_json(f"{folder.relative_to(ctx.source.path)}/config.json") if folder else None
+        if not cfg:
+            raise ModelLoadError(
+                f"pooler.params.pooling is 'auto' but {ctx.source.path} has no sentence-transformers Pooling config;"
+                " set pooler.params.pooling to one of cls, mean, max, last, all")
+        modes = [mode for key, mode in _ST_MODES.items() if cfg.get(key)]
+        if len(modes) != 1:
+            raise ModelLoadError(f"the model's Pooling config enables {modes or 'no'} modes; WDE needs exactly one")
+        return modes[0]
+
+    def forward(self, hidden: torch.Tensor, batch: ModelInput) -> Pooled:
+        if self.mode == "all":
+            x = hidden.float()
+            norms = [self.normalize if p.normalize is None else p.normalize for p in batch.pooling_params]
+            if any(norms):
+                per_token = torch.tensor(norms, device=x.device)[segment_ids(batch)][:, None]
+                x = torch.where(per_token, F.normalize(x, dim=-1), x)
+            return Pooled(ragged={"token_embeddings": (x, batch.cu_seqlens.tolist())})
+        return Pooled(rows={"dense": finish_embeddings(pool(hidden, batch, self.mode), batch, self.normalize)})

@@ -1,0 +1,106 @@
+"""Schedulers: decide which waiting requests form the next batch. Plain Python, no torch.
+
+Prefill-only requests are independent (no KV cache, no preemption), so first-come-first-served under a
+token budget and a request cap is enough, and scheduling can run ahead of the device.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pydantic import Field
+
+from wde.components.base import BuildContext, Component, Params
+from wde.request import Request, RequestOutput, SchedulableRequest
+
+
+class FCFSParams(Params):
+    max_num_batched_tokens: int = Field(16384, gt=0, description="token budget of one batch")
+    max_num_requests: int = Field(256, gt=0, description="requests in one batch at most")
+
+
+@dataclass
+class SchedulerOutput:
+    """The only thing handed to the input builder: the batch, plus requests rejected while tokenizing."""
+
+    scheduled: list[SchedulableRequest] = field(default_factory=list)
+    rejected: list[RequestOutput] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class FCFSScheduler(Component):
+    """First come, first served; tokenizes lazily through the request processor as it fills a batch."""
+
+    kind = "scheduler"
+    name = "fcfs"
+    Params = FCFSParams
+
+    def __init__(self, params: FCFSParams, ctx: BuildContext) -> None:
+        super().__init__(params, ctx)
+        self._request_processor = ctx.request_processor
+        self._waiting: deque[Request] = deque()
+        self._ready: deque[SchedulableRequest] = deque()
+        self._aborted: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add(self, request: Request) -> None:
+        with self._lock:
+            self._waiting.append(request)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request that has not been scheduled yet (e.g. its client went away)."""
+        with self._lock:
+            self._aborted.add(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + len(self._ready)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._ready)
+
+    def _take_waiting(self, n: int) -> list[Request]:
+        with self._lock:
+            taken = []
+            while self._waiting and len(taken) < n:
+                r = self._waiting.popleft()
+                if r.request_id in self._aborted:
+                    self._aborted.discard(r.request_id)
+                    continue
+                taken.append(r)
+            return taken
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget, cap = self.params.max_num_batched_tokens, self.params.max_num_requests
+        tokens = 0
+        now = time.perf_counter()
+        while len(out.scheduled) < cap:
+            if not self._ready:
+                chunk = self._take_waiting(cap - len(out.scheduled))
+                if not chunk:
+                    break
+                for req, res in zip(chunk, self._request_processor.process(chunk, budget)):
+                    if isinstance(res, SchedulableRequest):
+                        self._ready.append(res)
+                    else:
+                        out.rejected.append(RequestOutput(req.request_id, error=res, tokenization_time=req.tokenization_time))
+                continue
+            head = self._ready[0]
+            if head.request.request_id in self._aborted:
+                self._aborted.discard(head.request.request_id)
+                self._ready.popleft()
+                continue
+            if tokens + head.num_tokens > budget:
+                break
+            self._ready.popleft()
+            head.request.scheduled_time = now
+            out.scheduled.append(head)
+            tokens += head.num_tokens
+        return out

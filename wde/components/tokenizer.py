@@ -1,0 +1,94 @@
+"""Tokenizers: turn prompts into token ids. Called by the request processor, only when a request is scheduled."""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+from pydantic import Field
+
+from wde.components.base import BuildContext, Component, Params
+from wde.errors import ModelLoadError
+from wde.request import PairPrompt, TextPrompt
+
+Encoded = tuple[list[int], list[int] | None]
+
+
+class HFTokenizerParams(Params):
+    max_length: int | None = Field(None, gt=0, description="cap on tokens per input; default: what the model allows")
+    padding_side: Literal["left", "right"] | None = None
+
+
+class HFTokenizer(Component):
+    """A Hugging Face fast tokenizer loaded from the model folder.
+
+    The max length is the smallest of: the `max_length` param, sentence-transformers' `max_seq_length`, the
+    tokenizer's `model_max_length` and the model's position table, so no input can overrun the positions.
+    """
+
+    kind = "tokenizer"
+    name = "hf_tokenizer"
+    Params = HFTokenizerParams
+
+    def __init__(self, params: HFTokenizerParams, ctx: BuildContext) -> None:
+        super().__init__(params, ctx)
+        from transformers import AutoTokenizer
+
+        try:
+            self._tok = AutoTokenizer.from_pretrained(
+                ctx.source.path, trust_remote_code=ctx.source.trust_remote_code, use_fast=True
+            )
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot load the tokenizer from {ctx.source.path}: {e}") from None
+        cfg = ctx.source.hf_config
+        limits = [params.max_length]
+        st = ctx.source.read_json("sentence_bert_config.json") or {}
+        limits.append(st.get("max_seq_length"))
+        limits.append(self._tok.model_max_length if self._tok.model_max_length < 10**9 else None)
+        max_pos = getattr(cfg, "max_position_embeddings", None)
+        if max_pos is not None:
+            limits.append(max_pos - self.position_offset(cfg))
+        self.max_length: int = min(x for x in limits if x is not None) if any(limits) else 512
+        self._returns_types = "token_type_ids" in self._tok.model_input_names and getattr(cfg, "type_vocab_size", 0) > 1
+
+    @staticmethod
+    def position_offset(cfg: object) -> int:
+        """RoBERTa-style models start positions after the padding index."""
+        if getattr(cfg, "model_type", "") in ("roberta", "xlm-roberta", "camembert"):
+            return getattr(cfg, "pad_token_id", 1) + 1
+        return 0
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(
+        self,
+        prompts: Sequence[TextPrompt | PairPrompt],
+        max_length: int | None = None,
+        direction: Literal["left", "right"] = "right",
+    ) -> list[Encoded]:
+        """Token ids (and token type ids for pairs on BERT-like models) for each prompt.
+
+        With `max_length` the inputs are truncated to it (pairs: from the second text only), else not at all.
+        """
+        if not prompts:
+            return []
+        texts = [p.text for p in prompts]
+        pairs = [p.text_pair for p in prompts] if isinstance(prompts[0], PairPrompt) else None
+        kwargs: dict = dict(add_special_tokens=True, return_attention_mask=False, return_token_type_ids=self._returns_types)
+        if max_length is not None:
+            kwargs.update(truncation="only_second" if pairs else True, max_length=max_length)
+        self._tok.truncation_side = direction
+        enc = self._tok(texts, pairs, **kwargs) if pairs else self._tok(texts, **kwargs)
+        types = enc.get("token_type_ids") if self._returns_types else None
+        return [(ids, types[i] if types is not None else None) for i, ids in enumerate(enc["input_ids"])]
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return self._tok.convert_ids_to_tokens(list(ids))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids))
+
+    @property
+    def special_ids(self) -> set[int]:
+        return set(self._tok.all_special_ids)

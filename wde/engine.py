@@ -1,0 +1,178 @@
+"""The engine: builds a workflow's components and runs the one-way step loop.
+
+    request → input processor → scheduler (→ request processor) → input builder → executor/runner
+            → pooler → output processor → RequestOutput
+
+`step()` is synchronous and is all offline use needs; the executor decides whether device work overlaps
+with preparing the next batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from wde.components.base import COMPONENT_KINDS, BuildContext
+from wde.components.pooler import Pooled
+from wde.components.scheduler import SchedulerOutput
+from wde.errors import ModelLoadError, RequestError
+from wde.model_source import ModelSource
+from wde.registry import get_registry
+from wde.request import PoolingParams, RequestOutput
+from wde.workflow import ResolvedWorkflow, load_workflow, overrides_to_paths
+
+
+class Engine:
+    """A built workflow, ready to take requests. Create one with `Engine.from_workflow`."""
+
+    def __init__(self, workflow: ResolvedWorkflow, source: ModelSource) -> None:
+        self.workflow = workflow
+        self.source = source
+        ctx = BuildContext(source, workflow.name)
+        for kind in COMPONENT_KINDS:
+            rc = workflow.components[kind]
+            try:
+                ctx.components[kind] = rc.cls(rc.params, ctx)
+            except (ModelLoadError, ValueError) as e:
+                raise ModelLoadError(f"workflow {workflow.name!r}: building {kind} {rc.name!r} failed: {e}") from None
+        self.components = dict(ctx.components)
+        self.tokenizer = ctx.tokenizer
+        self.input_processor = ctx.input_processor
+        self.scheduler = ctx.scheduler
+        self.input_builder = ctx.model_input_builder
+        self.executor = ctx.executor
+        self.output_processor = ctx.output_processor
+        self.max_length: int = ctx.request_processor.max_length
+        self._ids = itertools.count()
+        self._inflight: deque[tuple[SchedulerOutput, Future[tuple[Pooled, float]]]] = deque()
+
+    @classmethod
+    def from_workflow(
+        cls,
+        workflow: str | Path | None = None,
+        model: str | Path | None = None,
+        *,
+        overrides: Iterable[str] | None = None,
+        trust_remote_code: bool = False,
+        **component_overrides: Mapping[str, Any],
+    ) -> "Engine":
+        """Build an engine from a workflow file or registered name.
+
+        :param workflow: path or registered name; None picks the workflow registered for the model's
+            `architectures`.
+        :param model: a local model folder or a hub id in the local cache; None serves the bundled default.
+        :param overrides: CLI-style strings, e.g. ``["scheduler.params.max_num_batched_tokens=8192"]``.
+        :param component_overrides: per-kind dicts merged into the workflow, e.g.
+            ``scheduler={"params": {"max_num_requests": 8}}``.
+        """
+        source = ModelSource.from_model(model, trust_remote_code=trust_remote_code)
+        if workflow is None:
+            workflow = get_registry().workflow_for(source.architectures)
+        resolved = load_workflow(workflow, overrides_to_paths(overrides) + overrides_to_paths(component_overrides))
+        served = set(resolved.architectures)
+        if served and source.architectures and not served & set(source.architectures):
+            raise ModelLoadError(
+                f"workflow {resolved.name!r} serves {sorted(served)} but {source.path} is {source.architectures};"
+                " pick a matching workflow (wde inspect / docs/workflows.md)")
+        return cls(resolved, source)
+
+    def add_request(self, inputs: Any, params: PoolingParams | None = None, request_id: str | None = None) -> str:
+        """Validate one input (no tokenization) and queue it; raise `RequestError` on bad input."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        self.scheduler.add(self.input_processor.process(request_id, inputs, params))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._inflight)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and submit batches up to the executor's in-flight limit; finish the oldest one."""
+        finished: list[RequestOutput] = []
+        while len(self._inflight) < self.executor.max_inflight:
+            batch = self.scheduler.schedule()
+            finished.extend(batch.rejected)
+            if not batch.scheduled:
+                break
+            self._inflight.append((batch, self.executor.submit(self.input_builder.build(batch))))
+        if self._inflight:
+            batch, future = self._inflight.popleft()
+            pooled, seconds = future.result()
+            finished.extend(self.output_processor.process(batch, pooled, seconds))
+        return finished
+
+    def encode(self, inputs: Sequence[Any], params: PoolingParams | None = None, *, progress: bool = False,
+               raise_on_error: bool = True) -> list[RequestOutput]:
+        """Run a list of inputs to completion; outputs come back in input order.
+
+        All inputs are validated before any work starts; with `raise_on_error` a request rejected later
+        (e.g. too long without truncation) raises `RequestError` naming its index.
+        """
+        ids = []
+        requests = []
+        for i, x in enumerate(inputs):
+            try:
+                requests.append(self.input_processor.process(f"enc-{next(self._ids)}", x, params))
+            except RequestError as e:
+                raise RequestError(f"input[{i}]: {e}", e.field, e.kind) from None
+            ids.append(requests[-1].request_id)
+        for r in requests:
+            self.scheduler.add(r)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), unit="input", desc="wde")
+        try:
+            while len(done) < len(ids):
+                outs = self.step()
+                for o in outs:
+                    done[o.request_id] = o
+                if bar is not None:
+                    bar.update(len(outs))
+                if not outs and not self.has_unfinished():
+                    break
+        finally:
+            if bar is not None:
+                bar.close()
+        results = [done[i] for i in ids]
+        if raise_on_error:
+            for i, out in enumerate(results):
+                if out.error is not None:
+                    raise RequestError(f"input[{i}]: {out.error}", out.error.field, out.error.kind)
+        return results
+
+    def embed(self, texts: str | Sequence[Any], *, normalize: bool | None = None, truncate: bool = False,
+              truncation_direction: str = "right", prompt_name: str | None = None,
+              dimensions: int | None = None, progress: bool = False) -> np.ndarray:
+        """Dense embeddings, one row per input (a 1-D array for a single string)."""
+        single = isinstance(texts, str)
+        items = [texts] if single else list(texts)
+        params = PoolingParams(truncate=truncate, truncation_direction=truncation_direction,  # type: ignore[arg-type]
+                               normalize=normalize, prompt_name=prompt_name, dimensions=dimensions)
+        outs = self.encode(items, params, progress=progress)
+        if not outs:
+            return np.zeros((0, 0), dtype=np.float32)
+        if "dense" not in outs[0].outputs:
+            raise RequestError(f"workflow {self.workflow.name!r} does not produce dense embeddings"
+                               f" (it produces {sorted(outs[0].outputs)}); use Engine.encode")
+        arr = np.stack([o.outputs["dense"] for o in outs])
+        return arr[0] if single else arr
+
+    def close(self) -> None:
+        self.executor.shutdown()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

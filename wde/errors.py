@@ -1,0 +1,72 @@
+"""Errors WDE raises to users. Each carries enough context to fix the problem without a traceback."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Iterable
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """A ' did you mean X?' suffix when a close match exists, else ''."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" did you mean {close[0]!r}?" if close else ""
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a workflow key was written: a file (or '--set' for an override), 1-based line and column."""
+
+    file: str
+    line: int = 0
+    column: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}" if self.line else self.file
+
+
+@dataclass(frozen=True)
+class Issue:
+    """One problem found in a workflow: where it is, the dotted key path, and what is wrong."""
+
+    location: Location
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.path}: " if self.path else ""
+        return f"{self.location}: {where}{self.message}"
+
+    def to_dict(self) -> dict:
+        return {
+            "file": self.location.file,
+            "line": self.location.line,
+            "column": self.location.column,
+            "path": self.path,
+            "message": self.message,
+        }
+
+
+class WorkflowError(ValueError):
+    """A workflow file (or its overrides) is invalid; `issues` lists every problem found."""
+
+    def __init__(self, issues: list[Issue]):
+        self.issues = issues
+        super().__init__("\n".join(str(i) for i in issues))
+
+
+class RegistryError(ValueError):
+    """A plugin registered something twice, or a name has no registration."""
+
+
+class ModelLoadError(ValueError):
+    """A model folder is missing, incomplete, or not something the chosen workflow can serve."""
+
+
+class RequestError(ValueError):
+    """A request was rejected: the message names the field and the limit."""
+
+    def __init__(self, message: str, field: str | None = None, kind: str = "validation"):
+        self.field = field
+        self.kind = kind
+        super().__init__(message)

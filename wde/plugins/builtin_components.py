@@ -1,0 +1,40 @@
+"""The built-in components, registered through the same hook third-party plugins use."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from wde.components.attention.torch_sdpa import TorchSDPABackend
+from wde.components.executor import SyncExecutor, ThreadExecutor
+from wde.components.input_processor import TextInputProcessor
+from wde.components.model_input_builder import PackedInputBuilder
+from wde.components.models.bert import BertModel, XLMRobertaModel
+from wde.components.output_processor import EmbeddingOutputProcessor
+from wde.components.pooler import SentencePooler
+from wde.components.request_processor import LazyTokenizeRequestProcessor
+from wde.components.runner import TorchRunner
+from wde.components.scheduler import FCFSScheduler
+from wde.components.tokenizer import HFTokenizer
+from wde.plugins.hookspecs import hookimpl
+
+BUILTIN_COMPONENTS: tuple[type, ...] = (
+    HFTokenizer,
+    TextInputProcessor,
+    LazyTokenizeRequestProcessor,
+    FCFSScheduler,
+    PackedInputBuilder,
+    TorchSDPABackend,
+    BertModel,
+    XLMRobertaModel,
+    SentencePooler,
+    TorchRunner,
+    SyncExecutor,
+    ThreadExecutor,
+    EmbeddingOutputProcessor,
+)
+
+
+@hookimpl
+def register_components(register: Callable[[type], None]) -> None:
+    for component in BUILTIN_COMPONENTS:
+        register(component)

@@ -1,0 +1,35 @@
+"""The bundled workflows (`workflows/*.yaml`) and the architectures they serve by default."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+from wde.plugins.hookspecs import hookimpl
+
+DEFAULT_ARCHITECTURES: dict[str, str] = {
+    "BertModel": "bert",
+    "XLMRobertaModel": "xlm_roberta",
+    "RobertaModel": "xlm_roberta",
+}
+
+
+def workflows_dir() -> Path:
+    """`workflows/` of a source checkout, or the copy installed as package data `wde.workflows`."""
+    checkout = Path(__file__).resolve().parents[2] / "workflows"
+    if checkout.is_dir():
+        return checkout
+    return Path(str(resources.files("wde.workflows")))
+
+
+@hookimpl
+def register_workflows(register: Callable[[Path], None]) -> None:
+    for path in sorted(workflows_dir().glob("*.yaml")):
+        register(path)
+
+
+@hookimpl
+def register_architectures(register: Callable[[str, str], None]) -> None:
+    for architecture, workflow in DEFAULT_ARCHITECTURES.items():
+        register(architecture, workflow)

@@ -1,0 +1,294 @@
+"""Workflow files: schema, `extends`, overrides, and resolution of component names into classes.
+
+A workflow names one component per kind with its params. The schema here knows the kinds but not any
+component's params: those are validated against each component's own `Params` model once its name is
+resolved through the registry.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from wde.components.base import COMPONENT_KINDS, Component, Params
+from wde.errors import Issue, Location, RegistryError, WorkflowError, did_you_mean
+from wde.registry import Registry, get_registry
+from wde.yaml_source import KeyPath, load_yaml_with_locations, locate
+
+
+class ComponentRef(BaseModel):
+    """`{name, params}` as written in a workflow; params stay a dict until the component is known."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+_WorkflowFile = create_model(
+    "WorkflowFile",
+    __config__=ConfigDict(extra="forbid"),
+    name=(str, ...),
+    description=(str, ""),
+    family=(str, ""),
+    extends=(str | None, None),
+    architectures=(list[str], Field(default_factory=list)),
+    **{kind: (ComponentRef | None, None) for kind in COMPONENT_KINDS},
+)
+
+
+@dataclass(frozen=True)
+class ResolvedComponent:
+    """A component kind bound to its registered class and validated params."""
+
+    kind: str
+    name: str
+    cls: type[Component]
+    params: Params
+    plugin: str
+
+
+@dataclass(frozen=True)
+class ResolvedWorkflow:
+    """A fully merged and validated workflow: ready to build an engine from."""
+
+    name: str
+    description: str
+    family: str
+    architectures: tuple[str, ...]
+    source: str
+    components: dict[str, ResolvedComponent]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The effective graph, as `wde inspect` prints it."""
+        return {
+            "name": self.name,
+            "family": self.family,
+            "description": self.description,
+            "architectures": list(self.architectures),
+            "source": self.source,
+            **{
+                kind: {"name": c.name, "plugin": c.plugin, "params": c.params.model_dump(mode="json")}
+                for kind, c in self.components.items()
+            },
+        }
+
+
+@dataclass
+class _Layer:
+    """Raw workflow data merged so far, with the location each key came from."""
+
+    data: dict[str, Any]
+    locations: dict[KeyPath, Location]
+    file: str
+
+
+def _pydantic_issues(err: ValidationError, locations: dict[KeyPath, Location], prefix: KeyPath) -> list[Issue]:
+    issues = []
+    for e in err.errors():
+        path = prefix + tuple(e["loc"])
+        dotted = ".".join(str(p) for p in path)
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown key {path[-1]!r}"
+        elif e["type"] == "missing":
+            msg = f"missing required key {path[-1]!r}"
+        elif "input" in e and e["type"] not in ("missing",):
+            msg = f"{msg} (got {e['input']!r})"
+        issues.append(Issue(locate(locations, path), dotted, msg))
+    return issues
+
+
+def _read_layer(path: Path) -> _Layer:
+    data, locations = load_yaml_with_locations(path)
+    if not isinstance(data, dict):
+        raise WorkflowError([Issue(Location(str(path), 1, 1), "", "a workflow file must be a YAML mapping")])
+    try:
+        _WorkflowFile.model_validate(data)
+    except ValidationError as e:
+        raise WorkflowError(_pydantic_issues(e, locations, ())) from None
+    return _Layer(data, locations, str(path))
+
+
+def _merge(base: _Layer, child: _Layer) -> _Layer:
+    """Child keys override the parent's; a component keeping its name merges params key by key."""
+    data = copy.deepcopy(base.data)
+    locations = dict(base.locations)
+    for key, value in child.data.items():
+        if key == "extends":
+            continue
+        if key in COMPONENT_KINDS and isinstance(value, dict) and isinstance(data.get(key), dict):
+            parent = data[key]
+            same = value.get("name") in (None, parent.get("name"))
+            if not same:
+                locations = {p: l for p, l in locations.items() if p[:1] != (key,)}
+            merged = {"name": value.get("name", parent.get("name"))}
+            params = dict(parent.get("params") or {}) if same else {}
+            params.update(value.get("params") or {})
+            merged["params"] = params
+            data[key] = merged
+        else:
+            locations = {p: l for p, l in locations.items() if p[:1] != (key,)}
+            data[key] = copy.deepcopy(value)
+    locations.update({p: l for p, l in child.locations.items() if p})
+    return _Layer(data, locations, child.file)
+
+
+def _load_chain(path: Path, registry: Registry, seen: tuple[Path, ...] = ()) -> _Layer:
+    layer = _read_layer(path)
+    parent_ref = layer.data.get("extends")
+    if parent_ref is None:
+        return layer
+    loc = locate(layer.locations, ("extends",))
+    if parent_ref.endswith((".yaml", ".yml")) or "/" in parent_ref:
+        parent_path = (path.parent / parent_ref).resolve()
+        if not parent_path.exists():
+            raise WorkflowError([Issue(loc, "extends", f"extended workflow file {parent_ref!r} does not exist")])
+    else:
+        try:
+            parent_path = registry.workflow_path(parent_ref)
+        except RegistryError as e:
+            raise WorkflowError([Issue(loc, "extends", str(e))]) from None
+    if parent_path.resolve() in seen or parent_path.resolve() == path.resolve():
+        chain = " -> ".join(str(p) for p in seen + (path, parent_path))
+        raise WorkflowError([Issue(loc, "extends", f"workflow inheritance cycle: {chain}")])
+    parent = _load_chain(parent_path, registry, seen + (path.resolve(),))
+    return _merge(parent, layer)
+
+
+def parse_override(text: str) -> tuple[KeyPath, Any]:
+    """`scheduler.params.max_num_batched_tokens=8192` → (('scheduler','params','max_num_batched_tokens'), 8192).
+
+    The value is read as YAML (safe) so numbers, booleans, lists and null keep their types.
+    """
+    if "=" not in text:
+        raise WorkflowError([Issue(Location("--set"), text, "an override must look like 'kind.params.key=value'")])
+    key, _, raw = text.partition("=")
+    path = tuple(p for p in key.strip().split(".") if p)
+    if not path:
+        raise WorkflowError([Issue(Location("--set"), text, "an override needs a key before '='")])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+Overrides = Iterable["str | tuple[KeyPath, Any]"] | Mapping[str, Any] | None
+
+
+def overrides_to_paths(overrides: Overrides) -> list[tuple[KeyPath, Any]]:
+    """Normalise CLI strings, (path, value) pairs or nested dicts (`{"scheduler": {"params": {...}}}`)."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, Mapping):
+        out: list[tuple[KeyPath, Any]] = []
+
+        def flatten(prefix: KeyPath, value: Any) -> None:
+            if isinstance(value, Mapping) and value:
+                for k, v in value.items():
+                    flatten(prefix + tuple(str(k).split(".")), v)
+            else:
+                out.append((prefix, value))
+
+        flatten((), overrides)
+        return out
+    return [o if isinstance(o, tuple) else parse_override(o) for o in overrides]
+
+
+def _apply_overrides(layer: _Layer, overrides: list[tuple[KeyPath, Any]]) -> _Layer:
+    data = copy.deepcopy(layer.data)
+    locations = dict(layer.locations)
+    for path, value in overrides:
+        if path[0] in COMPONENT_KINDS and len(path) >= 2 and path[1] == "name":
+            data.setdefault(path[0], {})["params"] = {}
+        node = data
+        for key in path[:-1]:
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        node[path[-1]] = value
+        dotted = ".".join(str(p) for p in path)
+        locations[path] = Location(f"--set {dotted}={value}")
+    return _Layer(data, locations, layer.file)
+
+
+def _resolve_components(layer: _Layer, registry: Registry) -> dict[str, ResolvedComponent]:
+    try:
+        wf = _WorkflowFile.model_validate(layer.data)
+    except ValidationError as e:
+        raise WorkflowError(_pydantic_issues(e, layer.locations, ())) from None
+    issues: list[Issue] = []
+    resolved: dict[str, ResolvedComponent] = {}
+    for kind in COMPONENT_KINDS:
+        ref: ComponentRef | None = getattr(wf, kind)
+        if ref is None or ref.name is None:
+            path = (kind,) if ref is None else (kind, "name")
+            issues.append(Issue(locate(layer.locations, path), ".".join(path),
+                                f"the workflow sets no {kind} component (add '{kind}: {{name: ...}}' or extend a workflow that does)"))
+            continue
+        known = registry.components[kind]
+        entry = known.get(ref.name)
+        if entry is None:
+            names = sorted(known)
+            issues.append(Issue(locate(layer.locations, (kind, "name")), f"{kind}.name",
+                                f"unknown {kind} component {ref.name!r};{did_you_mean(ref.name, names)}"
+                                f" (available: {', '.join(names) or 'none'})"))
+            continue
+        cls: type[Component] = entry.value  # type: ignore[assignment]
+        try:
+            params = cls.Params.model_validate(ref.params)
+        except ValidationError as e:
+            field_names = list(cls.Params.model_fields)
+            for issue in _pydantic_issues(e, layer.locations, (kind, "params")):
+                last = issue.path.rsplit(".", 1)[-1]
+                if issue.message.startswith("unknown key"):
+                    hint = did_you_mean(last, field_names)
+                    issue = Issue(issue.location, issue.path,
+                                  f"unknown param {last!r} for {kind} {ref.name!r};{hint}"
+                                  f" (params: {', '.join(field_names) or 'none'})")
+                issues.append(issue)
+            continue
+        resolved[kind] = ResolvedComponent(kind, ref.name, cls, params, entry.plugin)
+    if issues:
+        raise WorkflowError(issues)
+    return resolved
+
+
+def find_workflow_file(workflow: str | Path, registry: Registry | None = None) -> Path:
+    """A path on disk, or the file of a registered workflow name."""
+    registry = registry or get_registry()
+    path = Path(workflow)
+    if path.exists():
+        return path
+    if isinstance(workflow, str) and not workflow.endswith((".yaml", ".yml")) and "/" not in workflow:
+        try:
+            return registry.workflow_path(workflow)
+        except RegistryError as e:
+            raise WorkflowError([Issue(Location(workflow), "", str(e))]) from None
+    raise WorkflowError([Issue(Location(str(workflow)), "", "workflow file does not exist")])
+
+
+def load_workflow(
+    workflow: str | Path,
+    overrides: Overrides = None,
+    registry: Registry | None = None,
+) -> ResolvedWorkflow:
+    """Read, inherit, override and resolve a workflow; raise `WorkflowError` listing every problem."""
+    registry = registry or get_registry()
+    path = find_workflow_file(workflow, registry)
+    layer = _load_chain(path, registry)
+    layer = _apply_overrides(layer, overrides_to_paths(overrides))
+    components = _resolve_components(layer, registry)
+    return ResolvedWorkflow(
+        name=layer.data["name"],
+        description=layer.data.get("description", ""),
+        family=layer.data.get("family", ""),
+        architectures=tuple(layer.data.get("architectures", [])),
+        source=str(path),
+        components=components,
+    )
