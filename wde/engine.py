@@ -61,6 +61,8 @@ class Engine:
         *,
         overrides: Iterable[str] | None = None,
         trust_remote_code: bool = False,
+        dtype: str | None = None,
+        device: str | None = None,
         **component_overrides: Mapping[str, Any],
     ) -> "Engine":
         """Build an engine from a workflow file or registered name.
@@ -69,13 +71,15 @@ class Engine:
             `architectures`.
         :param model: a local model folder or a hub id in the local cache; None serves the bundled default.
         :param overrides: CLI-style strings, e.g. ``["scheduler.params.max_num_batched_tokens=8192"]``.
+        :param dtype, device: shortcuts for ``model.params.dtype`` / ``model.params.device``.
         :param component_overrides: per-kind dicts merged into the workflow, e.g.
-            ``scheduler={"params": {"max_num_requests": 8}}``.
+            ``scheduler={"params": {"max_num_requests": 8}}`` (the model kind: use `overrides`).
         """
         source = ModelSource.from_model(model, trust_remote_code=trust_remote_code)
         if workflow is None:
             workflow = get_registry().workflow_for(source.architectures)
-        resolved = load_workflow(workflow, overrides_to_paths(overrides) + overrides_to_paths(component_overrides))
+        shortcuts = [(("model", "params", k), v) for k, v in (("dtype", dtype), ("device", device)) if v is not None]
+        resolved = load_workflow(workflow, overrides_to_paths(overrides) + overrides_to_paths(component_overrides) + shortcuts)
         served = set(resolved.architectures)
         if served and source.architectures and not served & set(source.architectures):
             raise ModelLoadError(

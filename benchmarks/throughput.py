@@ -1,0 +1,130 @@
+"""Offline embedding throughput: WDE vs sentence-transformers, side by side in one process.
+
+Both embed the same generated workload with the same weights; tokens/s counts the real (unpadded) tokens of
+the workload, so the figure is comparable. CPU default: the bundled all-MiniLM-L6-v2. GPU: a random-weight
+model at real size (e.g. `--size xlmr-large`), since speed does not depend on weight values.
+
+    python benchmarks/throughput.py                          # CPU, MiniLM, fp32
+    python benchmarks/throughput.py --size xlmr-large --device cuda --dtype float16 --n 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from workload import sentences  # noqa: E402
+
+SIZES = {
+    "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+    "xlmr-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+}
+
+
+def random_model(size: str, tokenizer_src: Path, out: Path) -> Path:
+    """A random model of real dimensions, saved with a real tokenizer and a mean-pooling ST config."""
+    from transformers import AutoTokenizer, BertConfig, BertModel, XLMRobertaConfig, XLMRobertaModel
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_src)
+    if size.startswith("xlmr"):
+        cfg = XLMRobertaConfig(vocab_size=len(tok), max_position_embeddings=514, pad_token_id=1, **SIZES[size])
+        model = XLMRobertaModel(cfg)
+    else:
+        cfg = BertConfig(vocab_size=len(tok), max_position_embeddings=512, **SIZES[size])
+        model = BertModel(cfg)
+    model.half().save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "modules.json").write_text('[{"idx":0,"name":"0","path":"","type":"sentence_transformers.models.Transformer"},'
+                                      '{"idx":1,"name":"1","path":"1_Pooling","type":"sentence_transformers.models.Pooling"}]')
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(f'{{"word_embedding_dimension": {cfg.hidden_size}, "pooling_mode_mean_tokens": true}}')
+    (out / "sentence_bert_config.json").write_text('{"max_seq_length": 512}')
+    return out
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder (default: bundled all-MiniLM-L6-v2)")
+    ap.add_argument("--size", choices=sorted(SIZES), default=None, help="random weights at this real size instead")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--n", type=int, default=2000, help="number of sentences")
+    ap.add_argument("--mean-words", type=int, default=30)
+    ap.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers encode batch size")
+    ap.add_argument("--max-batched-tokens", type=int, default=16384)
+    ap.add_argument("--executor", default="sync", choices=["sync", "thread"])
+    ap.add_argument("--attention", default="torch_sdpa")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs of each side (best is reported)")
+    args = ap.parse_args()
+
+    from sentence_transformers import SentenceTransformer
+
+    from wde import Engine
+    from wde.model_source import resolve_model_path
+
+    base = resolve_model_path(args.model)
+    path = base
+    if args.size:
+        path = random_model(args.size, base, Path(tempfile.mkdtemp(prefix="wde-bench-")))
+    texts = sentences(args.n, args.mean_words)
+    dtype = getattr(torch, args.dtype)
+
+    engine = Engine.from_workflow(None, path, dtype=args.dtype, device=args.device,
+                                  attention={"name": args.attention, "params": {}},
+                                  scheduler={"params": {"max_num_batched_tokens": args.max_batched_tokens, "max_num_requests": 1024}},
+                                  executor={"name": args.executor, "params": {}})
+    st = SentenceTransformer(str(path), device=args.device, model_kwargs={"torch_dtype": dtype})
+    max_len = min(engine.max_length, st.max_seq_length)
+    n_tokens = sum(len(ids) for ids in st.tokenizer(texts, truncation=True, max_length=max_len)["input_ids"])
+
+    def run_wde() -> np.ndarray:
+        return engine.embed(texts, truncate=True)
+
+    def run_st() -> np.ndarray:
+        return st.encode(texts, batch_size=args.st_batch_size, convert_to_numpy=True)
+
+    warm = texts[: min(256, len(texts))]
+    engine.embed(warm, truncate=True)
+    st.encode(warm, batch_size=args.st_batch_size)
+    best = {"wde": float("inf"), "sentence-transformers": float("inf")}
+    outs = {}
+    for _ in range(args.repeats):
+        for name, fn in (("sentence-transformers", run_st), ("wde", run_wde)):
+            sync(args.device)
+            t0 = time.perf_counter()
+            outs[name] = fn()
+            sync(args.device)
+            best[name] = min(best[name], time.perf_counter() - t0)
+
+    a, b = outs["wde"].astype(np.float32), outs["sentence-transformers"].astype(np.float32)
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or platform.machine()
+    print(f"machine: {gpu}, {os.cpu_count()} cpus, torch {torch.__version__}")
+    print(f"model: {args.size or path.name} ({args.dtype}, {args.device}); workload: {args.n} sentences, {n_tokens} tokens")
+    for name in ("sentence-transformers", "wde"):
+        print(f"{name:>22}: {best[name]:8.3f} s  {n_tokens / best[name]:10.0f} tokens/s  {args.n / best[name]:8.1f} sentences/s")
+    print(f"ratio wde / sentence-transformers: {best['sentence-transformers'] / best['wde']:.2f}x")
+    print(f"agreement: min cosine {cos.min():.6f}, max abs diff {np.abs(a - b).max():.2e}")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
