@@ -1,11 +1,15 @@
 """Varlen attention with `torch.nn.functional.scaled_dot_product_attention`, on any device.
 
-SDPA has no varlen entry point, so the packed tokens are scattered into a [seqs, heads, max_len, dim] block
-once per layer and masked. Only attention pays for the padding; every other layer works on packed tokens.
-When all sequences have the same length no mask is needed and the fast kernels apply.
+SDPA has no varlen entry point, so sequences are gathered into padded [seqs, heads, len, dim] blocks. To keep
+the padding small, sequences are sorted by length and split into groups whose padded size stays within
+`_MAX_WASTE` of their real size; each group is one SDPA call. Padding slots gather a real (finite) token and are
+masked out as keys, so no block needs zero-filling. Only attention pays for padding; every other layer works on
+packed tokens. A group whose sequences all have one length needs no mask, and the fast kernels apply.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,50 +17,98 @@ import torch.nn.functional as F
 from wde.components.attention.base import AttentionBackend, AttentionMetadata
 from wde.components.model_input_builder import ModelInput
 
+_MAX_WASTE = 1.25
+
+
+@dataclass
+class _Group:
+    """Sequences attended together: `gather` fills the [n, lmax] block from packed tokens, `valid` picks the
+    real slots back out of it."""
+
+    n: int
+    lmax: int
+    gather: torch.Tensor
+    valid: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+def _plan_groups(seq_lens: list[int]) -> list[list[int]]:
+    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    real = 0
+    for i in order:
+        lmax = seq_lens[current[0]] if current else seq_lens[i]
+        if current and (len(current) + 1) * lmax > _MAX_WASTE * (real + seq_lens[i]):
+            groups.append(current)
+            current, real = [], 0
+        current.append(i)
+        real += seq_lens[i]
+    if current:
+        groups.append(current)
+    return groups
+
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
 
     def build_metadata(self, batch: ModelInput, causal: bool) -> AttentionMetadata:
         meta = super().build_metadata(batch, causal)
-        n, lmax = batch.num_seqs, batch.max_seqlen
-        device = batch.input_ids.device
-        if all(length == lmax for length in batch.seq_lens):
-            meta.extra = (None, None)
+        lens = batch.seq_lens
+        if all(length == batch.max_seqlen for length in lens):
+            meta.extra = None
             return meta
-        lens = torch.tensor(batch.seq_lens, device=device)
-        seq_idx = torch.repeat_interleave(torch.arange(n, device=device), lens)
-        flat_index = seq_idx * lmax + batch.positions
-        valid = torch.arange(lmax, device=device)[None, :] < lens[:, None]
-        mask = valid[:, None, None, :]
-        if causal:
-            mask = mask & torch.ones(lmax, lmax, dtype=torch.bool, device=device).tril()[None, None]
-        meta.extra = (flat_index, mask)
+        starts = batch.cu_seqlens.tolist()
+        device = batch.input_ids.device
+        groups: list[_Group] = []
+        token_order: list[torch.Tensor] = []
+        for members in _plan_groups(lens):
+            lmax = lens[members[0]]
+            gather, valid = [], []
+            for slot, i in enumerate(members):
+                gather.extend(range(starts[i], starts[i] + lens[i]))
+                gather.extend([starts[i]] * (lmax - lens[i]))
+                valid.extend(range(slot * lmax, slot * lmax + lens[i]))
+            g_lens = torch.tensor([lens[i] for i in members], device=device)
+            padded = any(lens[i] != lmax for i in members)
+            mask = None
+            if padded:
+                mask = (torch.arange(lmax, device=device)[None, :] < g_lens[:, None])[:, None, None, :]
+                if causal:
+                    mask = mask & torch.ones(lmax, lmax, dtype=torch.bool, device=device).tril()[None, None]
+            groups.append(_Group(len(members), lmax, torch.tensor(gather, device=device),
+                                 torch.tensor(valid, device=device) if padded else None, mask))
+            token_order.append(torch.tensor([t for i in members for t in range(starts[i], starts[i] + lens[i])]))
+        inverse = torch.empty(batch.num_tokens, dtype=torch.long)
+        inverse[torch.cat(token_order)] = torch.arange(batch.num_tokens)
+        meta.extra = (groups, inverse.to(device))
         return meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        t, hq, d = q.shape
-        hkv = k.shape[1]
-        n, lmax = len(meta.seq_lens), meta.max_seqlen
-        flat_index, mask = meta.extra
-        gqa = hq != hkv
+        hq, d = q.shape[1], q.shape[2]
+        rep = hq // k.shape[1]
+        if meta.extra is None:
+            n, lmax = len(meta.seq_lens), meta.max_seqlen
+            return self._sdpa(q.view(n, lmax, hq, d), k.view(n, lmax, -1, d), v.view(n, lmax, -1, d),
+                              None, meta.causal, scale, rep).reshape(n * lmax, hq, d)
+        groups, inverse = meta.extra
+        outs = []
+        for g in groups:
+            qb, kb, vb = (x.index_select(0, g.gather).view(g.n, g.lmax, -1, d) for x in (q, k, v))
+            ob = self._sdpa(qb, kb, vb, g.mask, meta.causal, scale, rep).reshape(g.n * g.lmax, hq, d)
+            outs.append(ob if g.valid is None else ob.index_select(0, g.valid))
+        return torch.cat(outs).index_select(0, inverse)
 
-        def block(x: torch.Tensor) -> torch.Tensor:
-            h = x.shape[1]
-            if flat_index is None:
-                return x.view(n, lmax, h, d).transpose(1, 2)
-            out = x.new_zeros(n * lmax, h, d)
-            out.index_copy_(0, flat_index, x)
-            return out.view(n, lmax, h, d).transpose(1, 2)
-
-        qb, kb, vb = block(q), block(k), block(v)
-        if gqa:
-            kb = kb.repeat_interleave(hq // hkv, dim=1)
-            vb = vb.repeat_interleave(hq // hkv, dim=1)
+    @staticmethod
+    def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+              scale: float, rep: int) -> torch.Tensor:
+        """q/k/v as [n, len, heads, dim]; returns [n, len, heads, dim]."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if mask is None:
-            ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=meta.causal, scale=scale)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
         else:
-            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
-        ob = ob.transpose(1, 2).reshape(n * lmax, hq, d)
-        return ob if flat_index is None else ob.index_select(0, flat_index)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return o.transpose(1, 2)
