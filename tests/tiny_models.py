@@ -87,8 +87,9 @@ def build_bert(out: Path, seed: int = 0, **config) -> Path:
 
     torch.manual_seed(seed)
     tok = bert_tokenizer()
-    cfg = BertConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=128, max_position_embeddings=512, **config)
+    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+              "max_position_embeddings": 512, **config}
+    cfg = BertConfig(vocab_size=len(tok), **config)
     BertModel(cfg).eval().save_pretrained(out)
     tok.save_pretrained(out)
     return out
@@ -100,9 +101,9 @@ def build_xlmr(out: Path, seed: int = 0, tokenizer=None, **config) -> Path:
 
     torch.manual_seed(seed)
     tok = tokenizer or xlmr_tokenizer()
-    cfg = XLMRobertaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           intermediate_size=128, max_position_embeddings=514, pad_token_id=1, bos_token_id=0,
-                           eos_token_id=2, **config)
+    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+              "max_position_embeddings": 514, **config}
+    cfg = XLMRobertaConfig(vocab_size=len(tok), pad_token_id=1, bos_token_id=0, eos_token_id=2, **config)
     XLMRobertaModel(cfg).eval().save_pretrained(out)
     tok.save_pretrained(out)
     return out

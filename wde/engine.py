@@ -182,3 +182,51 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _require_output(self, name: str, method: str) -> None:
+        if name not in self.supported_outputs:
+            raise RequestError(f"Engine.{method} needs a workflow that produces {name!r}; workflow"
+                               f" {self.workflow.name!r} produces {list(self.supported_outputs)}", "workflow")
+
+    @staticmethod
+    def _check_top(value: int | None, field: str) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise RequestError(f"{field} must be a positive integer, got {value!r}", field)
+
+    def score(self, pairs: Sequence[tuple[str, str]], *, activation: bool | None = None,
+              truncate: bool = False) -> np.ndarray:
+        """One float32 score per (text, text_pair) pair, from a cross-encoder / reranker workflow.
+
+        `activation=None` uses the workflow default (sigmoid, like sentence-transformers' CrossEncoder);
+        False returns raw logits. With `truncate`, long pairs lose tokens from the second text only.
+        """
+        self._require_output("score", "score")
+        outs = self.encode(list(pairs), PoolingParams(truncate=truncate, activation=activation))
+        return np.array([o.outputs["score"] for o in outs], dtype=np.float32)
+
+    def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
+               truncate: bool = False) -> list[tuple[int, float]]:
+        """(document index, score) pairs, best first; ties keep the input order."""
+        self._check_top(top_n, "top_n")
+        docs = list(documents)
+        scores = self.score([(query, d) for d in docs], truncate=truncate)
+        order = sorted(range(len(docs)), key=lambda i: -scores[i])
+        return [(i, float(scores[i])) for i in order[:top_n]]
+
+    def classify(self, texts: str | Sequence[Any], *, top_k: int | None = None, activation: bool | None = None,
+                 truncate: bool = False) -> list[list[tuple[str, float]]]:
+        """For each input, (label, probability) pairs, most likely first (`top_k` of them, default all).
+
+        `activation=False` gives raw logits instead of probabilities.
+        """
+        self._require_output("probs", "classify")
+        self._check_top(top_k, "top_k")
+        items = [texts] if isinstance(texts, str) else list(texts)
+        labels: list[str] = self.components["pooler"].labels
+        outs = self.encode(items, PoolingParams(truncate=truncate, activation=activation))
+        ranked = []
+        for out in outs:
+            probs = out.outputs["probs"]
+            order = np.argsort(-probs, kind="stable")[:top_k]
+            ranked.append([(labels[j], float(probs[j])) for j in order])
+        return ranked
+

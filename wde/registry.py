@@ -34,6 +34,9 @@ class Registry:
     )
     workflows: dict[str, Registered] = field(default_factory=dict)
     architectures: dict[str, Registered] = field(default_factory=dict)
+    unreadable: dict[str, str] = field(default_factory=dict)
+    """Registered workflow files that could not be parsed: kept out of the registry so one broken file does not
+    break every command; `wde validate` reports them with their location."""
 
     @classmethod
     def from_plugin_manager(cls, pm: pluggy.PluginManager) -> "Registry":
@@ -69,11 +72,15 @@ class Registry:
 
     def add_workflow(self, path: Path | str, plugin: str = "<direct>") -> None:
         path = Path(path)
-        with path.open(encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as e:
+            self.unreadable[str(path)] = f"plugin {plugin!r} registered {path}, which cannot be read: {e}"
+            return
         name = data.get("name") if isinstance(data, dict) else None
         if not isinstance(name, str) or not name:
-            raise RegistryError(f"plugin {plugin!r} registered workflow {path} which has no 'name' key")
+            self.unreadable[str(path)] = f"plugin {plugin!r} registered {path}, which has no 'name' key"
+            return
         existing = self.workflows.get(name)
         if existing is not None and Path(existing.value).resolve() != path.resolve():
             raise RegistryError(

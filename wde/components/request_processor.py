@@ -60,7 +60,10 @@ class LazyTokenizeRequestProcessor(Component):
             kept = ids[:limit] if direction == "right" else ids[-limit:]
             return SchedulableRequest(request, kept, None)
         assert isinstance(prompt, (TextPrompt, PairPrompt))
-        (ids, types), = self._tokenizer.encode([prompt], max_length=limit, direction=direction)
-        if len(ids) > limit:
+        try:
+            (ids, types), = self._tokenizer.encode([prompt], max_length=limit, direction=direction)
+        except Exception:  # fast tokenizers raise a bare Exception when only_second cannot reach the limit
+            ids, types = [], None
+        if not ids or len(ids) > limit:
             return RequestError(f"input cannot be truncated to {limit} tokens (the first text alone is longer)", "input", kind="too_long")
         return SchedulableRequest(request, ids, types)

@@ -16,6 +16,8 @@ Encoded = tuple[list[int], list[int] | None]
 class HFTokenizerParams(Params):
     max_length: int | None = Field(None, gt=0, description="cap on tokens per input; default: what the model allows")
     padding_side: Literal["left", "right"] | None = None
+    add_eos: bool = Field(False, description="append the EOS token when the tokenizer's template does not"
+                                             " (last-token pooling reads the EOS state)")
 
 
 class HFTokenizer(Component):
@@ -48,6 +50,8 @@ class HFTokenizer(Component):
         if max_pos is not None:
             limits.append(max_pos - self.position_offset(cfg))
         self.max_length: int = min(x for x in limits if x is not None) if any(limits) else 512
+        if params.add_eos and self._tok.eos_token_id is None:
+            raise ModelLoadError(f"tokenizer.params.add_eos is set but the tokenizer in {ctx.source.path} has no EOS token")
         self._returns_types = "token_type_ids" in self._tok.model_input_names and getattr(cfg, "type_vocab_size", 0) > 1
 
     @staticmethod
@@ -56,6 +60,11 @@ class HFTokenizer(Component):
         if getattr(cfg, "model_type", "") in ("roberta", "xlm-roberta", "camembert"):
             return getattr(cfg, "pad_token_id", 1) + 1
         return 0
+
+    @property
+    def hf_tokenizer(self):  # noqa: ANN201 - a transformers PreTrainedTokenizerFast
+        """The underlying Hugging Face tokenizer (the server's /tokenize needs its offsets)."""
+        return self._tok
 
     @property
     def vocab_size(self) -> int:
@@ -77,11 +86,19 @@ class HFTokenizer(Component):
         pairs = [p.text_pair for p in prompts] if isinstance(prompts[0], PairPrompt) else None
         kwargs: dict = dict(add_special_tokens=True, return_attention_mask=False, return_token_type_ids=self._returns_types)
         if max_length is not None:
-            kwargs.update(truncation="only_second" if pairs else True, max_length=max_length)
+            room = max_length - 1 if self.params.add_eos else max_length
+            kwargs.update(truncation="only_second" if pairs else True, max_length=room)
         self._tok.truncation_side = direction
         enc = self._tok(texts, pairs, **kwargs) if pairs else self._tok(texts, **kwargs)
         types = enc.get("token_type_ids") if self._returns_types else None
-        return [(ids, types[i] if types is not None else None) for i, ids in enumerate(enc["input_ids"])]
+        out = [(ids, types[i] if types is not None else None) for i, ids in enumerate(enc["input_ids"])]
+        return [self._with_eos(ids, t) for ids, t in out] if self.params.add_eos else out
+
+    def _with_eos(self, ids: list[int], types: list[int] | None) -> Encoded:
+        eos = self._tok.eos_token_id
+        if ids and ids[-1] == eos:
+            return ids, types
+        return ids + [eos], (types + types[-1:] if types else types)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return self._tok.convert_ids_to_tokens(list(ids))
@@ -92,3 +109,8 @@ class HFTokenizer(Component):
     @property
     def special_ids(self) -> set[int]:
         return set(self._tok.all_special_ids)
+
+    def special_ids_for(self, roles: Sequence[str]) -> set[int]:
+        """Ids of the special tokens with these roles ('cls_token', 'unk_token', ...) the tokenizer defines."""
+        named = self._tok.special_tokens_map
+        return {self._tok.convert_tokens_to_ids(named[r]) for r in roles if isinstance(named.get(r), str)}

@@ -1,0 +1,148 @@
+"""Sequence-classification heads on the encoder's first token: cross-encoder scores and class probabilities.
+
+The encoder is the ordinary `bert` / `xlm_roberta` model component, whose loader skips head tensors; this
+pooler loads the head (`*ForSequenceClassification`'s pooler/classifier) from the same checkpoint.
+One pooler serves both uses because a single-logit head *is* a cross-encoder: `task: auto` yields "score"
+for num_labels == 1 and "probs" otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, ClassVar, Literal
+
+import torch
+from torch import nn
+
+from wde.components.base import BuildContext, Component, Params
+from wde.components.model_input_builder import ModelInput
+from wde.components.models.loader import load_weights
+from wde.components.pooler import Pooled, pool
+from wde.errors import ModelLoadError
+
+
+class _Dense(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden)
+
+
+class BertClassificationHead(nn.Module):
+    """BertForSequenceClassification: classifier(tanh(bert.pooler.dense(CLS)))."""
+
+    prefixes: ClassVar[tuple[str, ...]] = ("bert.",)
+
+    def __init__(self, hidden: int, num_labels: int) -> None:
+        super().__init__()
+        self.pooler = _Dense(hidden)
+        self.classifier = nn.Linear(hidden, num_labels)
+
+    def forward(self, cls: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.tanh(self.pooler.dense(cls)))
+
+
+class _RobertaHeadLayers(_Dense):
+    def __init__(self, hidden: int, num_labels: int) -> None:
+        super().__init__(hidden)
+        self.out_proj = nn.Linear(hidden, num_labels)
+
+
+class RobertaClassificationHead(nn.Module):
+    """(XLM-)RobertaForSequenceClassification: classifier.out_proj(tanh(classifier.dense(<s>)))."""
+
+    prefixes: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, hidden: int, num_labels: int) -> None:
+        super().__init__()
+        self.classifier = _RobertaHeadLayers(hidden, num_labels)
+
+    def forward(self, cls: torch.Tensor) -> torch.Tensor:
+        return self.classifier.out_proj(torch.tanh(self.classifier.dense(cls)))
+
+
+HEADS: dict[str, type[nn.Module]] = {
+    "bert": BertClassificationHead,
+    "roberta": RobertaClassificationHead,
+    "xlm-roberta": RobertaClassificationHead,
+    "camembert": RobertaClassificationHead,
+}
+"""config.model_type → the head its *ForSequenceClassification class puts on the encoder."""
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda x: torch.softmax(x, dim=-1),
+}
+
+
+class ClassifierParams(Params):
+    task: Literal["auto", "score", "probs"] = "auto"
+    """auto: 'score' for a single-logit model (cross-encoder / reranker), 'probs' otherwise."""
+    activation: Literal["auto", "sigmoid", "softmax", "none"] = "auto"
+    """Used when a request leaves `activation` unset. auto: for 'score' the sentence-transformers activation
+    saved in config.json (sigmoid when none is saved); for 'probs' sigmoid on multi-label models, else softmax."""
+
+
+class ClassifierPooler(Component):
+    """Runs the classification head on the first token of every sequence (output 'score' or 'probs').
+
+    A request's `activation=False` returns raw logits; True applies the activation even when the workflow's
+    default is 'none'.
+    """
+
+    kind = "pooler"
+    name = "classifier"
+    Params = ClassifierParams
+
+    def __init__(self, params: ClassifierParams, ctx: BuildContext) -> None:
+        super().__init__(params, ctx)
+        cfg = ctx.source.hf_config
+        self.num_labels = int(cfg.num_labels)
+        task = params.task if params.task != "auto" else ("score" if self.num_labels == 1 else "probs")
+        if task == "score" and self.num_labels != 1:
+            raise ModelLoadError(f"pooler.params.task is 'score' but the model has {self.num_labels} labels;"
+                                 " a cross-encoder has one (use task: probs or auto)")
+        self.task: str = task
+        self.outputs: tuple[str, ...] = (task,)
+        id2label = getattr(cfg, "id2label", None) or {}
+        self.labels: list[str] = [str(id2label.get(i, f"LABEL_{i}")) for i in range(self.num_labels)]
+        """Class names in logit order (config.id2label)."""
+        self.multi_label = getattr(cfg, "problem_type", None) == "multi_label_classification"
+        self._fn, self.activate_by_default = self._resolve_activation(params.activation, cfg)
+        self.head = self._load_head(ctx)
+
+    def _resolve_activation(self, choice: str, cfg: object) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool]:
+        natural = "sigmoid" if self.task == "score" or self.multi_label else "softmax"
+        if choice == "none":
+            return _ACTIVATIONS[natural], False
+        if choice != "auto":
+            return _ACTIVATIONS[choice], True
+        if self.task == "probs":
+            return _ACTIVATIONS[natural], True
+        st = getattr(cfg, "sentence_transformers", None) or {}
+        saved = st.get("activation_fn") or getattr(cfg, "sbert_ce_default_activation_function", None) or ""
+        return _ACTIVATIONS[natural], not saved.endswith(".Identity")
+
+    @staticmethod
+    def _load_head(ctx: BuildContext) -> nn.Module:
+        cfg = ctx.source.hf_config
+        model_type = getattr(cfg, "model_type", "")
+        head_cls = HEADS.get(model_type)
+        if head_cls is None:
+            raise ModelLoadError(f"no classification head for model_type {model_type!r}; supported: {sorted(HEADS)}")
+        head = head_cls(int(cfg.hidden_size), int(cfg.num_labels))
+        try:
+            load_weights(head, ctx.source.iter_weights(), head_cls.prefixes, {})  # type: ignore[arg-type]
+        except ModelLoadError as e:
+            raise ModelLoadError(f"classification head of {ctx.source.path}: {e}") from None
+        return head.to(device=ctx.model.device, dtype=ctx.model.dtype).eval()
+
+    def forward(self, hidden: torch.Tensor, batch: ModelInput) -> Pooled:
+        logits = self.head(pool(hidden, batch, "cls")).float()
+        on = [self.activate_by_default if p.activation is None else p.activation for p in batch.pooling_params]
+        if all(on):
+            logits = self._fn(logits)
+        elif any(on):
+            mask = torch.tensor(on, device=logits.device)[:, None]
+            logits = torch.where(mask, self._fn(logits), logits)
+        if self.task == "score":
+            return Pooled(rows={"score": logits.squeeze(-1)})
+        return Pooled(rows={"probs": logits})
