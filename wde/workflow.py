@@ -192,7 +192,7 @@ def overrides_to_paths(overrides: Overrides) -> list[tuple[KeyPath, Any]]:
             if isinstance(value, Mapping) and value:
                 for k, v in value.items():
                     flatten(prefix + tuple(str(k).split(".")), v)
-            else:
+            elif prefix:
                 out.append((prefix, value))
 
         flatten((), overrides)

@@ -52,7 +52,7 @@ def pool(hidden: torch.Tensor, batch: ModelInput, mode: PoolingMode) -> torch.Te
         return (sums / lens[:, None]).to(hidden.dtype)
     if mode == "max":
         init = torch.full((batch.num_seqs, h.shape[1]), float("-inf"), device=h.device, dtype=h.dtype)
-        return init.index_reduce_(0, seg, h, "amax").to(hidden.dtype)
+        return init.scatter_reduce_(0, seg[:, None].expand_as(h), h, "amax").to(hidden.dtype)
     raise ValueError(f"unknown pooling mode {mode!r}")
 
 

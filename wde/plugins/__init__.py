@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
+import re
 
 import pluggy
 
@@ -23,14 +24,19 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
 ENTRYPOINT_GROUP = "wde"
 
 
+def _normalize(name: str) -> str:
+    """Distribution names compare as pip compares them: `wde_plugin_example` is `wde-plugin-example`."""
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
+
+
 def _load_entrypoints(pm: pluggy.PluginManager) -> None:
     allow = os.environ.get("WDE_LOAD_PLUGINS")
     if allow is None:
         pm.load_setuptools_entrypoints(ENTRYPOINT_GROUP)
         return
-    wanted = {name.strip() for name in allow.split(",") if name.strip()}
+    wanted = {_normalize(name) for name in allow.split(",") if name.strip()}
     for dist in importlib.metadata.distributions():
-        if dist.metadata["Name"] not in wanted:
+        if _normalize(dist.metadata["Name"] or "") not in wanted:
             continue
         for ep in dist.entry_points:
             if ep.group == ENTRYPOINT_GROUP and pm.get_plugin(ep.name) is None:

@@ -1,0 +1,37 @@
+"""The `mean_max` pooler: [mean of token states ; max of token states], optionally L2-normalized.
+
+Concatenating mean and max pooling keeps both the average meaning of a text and its strongest features;
+the vector is twice the model's hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from wde.components.base import BuildContext, Component, Params
+from wde.components.model_input_builder import ModelInput
+from wde.components.pooler import Pooled, finish_embeddings, pool
+
+
+class MeanMaxParams(Params):
+    normalize: bool = Field(True, description="L2-normalize the concatenated vector (per-request override wins)")
+    max_weight: float = Field(1.0, gt=0, description="scale of the max half relative to the mean half")
+
+
+class MeanMaxPooler(Component):
+    """Pools packed hidden states per sequence with `pool()` from the core, so packing stays the core's job."""
+
+    kind = "pooler"
+    name = "mean_max"
+    Params = MeanMaxParams
+    outputs = ("dense",)
+
+    def __init__(self, params: MeanMaxParams, ctx: BuildContext) -> None:
+        super().__init__(params, ctx)
+
+    def forward(self, hidden: torch.Tensor, batch: ModelInput) -> Pooled:
+        mean = pool(hidden, batch, "mean").float()
+        top = pool(hidden, batch, "max").float() * self.params.max_weight
+        dense = finish_embeddings(torch.cat([mean, top], dim=-1), batch, self.params.normalize)
+        return Pooled(rows={"dense": dense})

@@ -1,0 +1,66 @@
+"""A text's vector does not depend on what it is batched with, on the token budget, or on the executor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.tiny_models import varied_texts
+from wde import Engine, PoolingParams
+
+TOLERANCE = 1e-5
+TEXTS = varied_texts(1000, seed=9)
+POOLING = {"params": {"pooling": "mean", "normalize": True}}
+
+
+@pytest.fixture(scope="module")
+def batched(tiny_bert: Path) -> np.ndarray:
+    """All 1,000 texts in one call (several 256-request batches), with the default token budget."""
+    with Engine.from_workflow("bert", tiny_bert, pooler=POOLING) as engine:
+        return engine.embed(TEXTS, truncate=True)
+
+
+def test_alone_equals_inside_a_batch_of_1000(tiny_bert: Path, batched: np.ndarray) -> None:
+    assert len(set(TEXTS)) > 900 and batched.shape[0] == 1000
+    picks = [0, 1, 7, 99, 500, 998, 999] + list(range(13, 1000, 97))
+    with Engine.from_workflow("bert", tiny_bert, pooler=POOLING) as engine:
+        alone = np.stack([engine.embed(TEXTS[i], truncate=True) for i in picks])
+    diff = np.abs(alone - batched[picks]).max()
+    assert diff <= TOLERANCE, f"max abs diff {diff:.2e}"
+
+
+def test_tiny_token_budget_gives_the_same_vectors(tiny_bert: Path, batched: np.ndarray) -> None:
+    budget = 64
+    with Engine.from_workflow("bert", tiny_bert, pooler=POOLING,
+                              scheduler={"params": {"max_num_batched_tokens": budget}}) as engine:
+        assert engine.scheduler.params.max_num_batched_tokens == budget
+        outs = engine.encode(TEXTS[:300], PoolingParams(truncate=True), raise_on_error=False)
+    fits = [i for i, o in enumerate(outs) if 0 < o.num_prompt_tokens < budget]
+    assert len(fits) > 150, "most short texts must fit the budget"
+    got = np.stack([outs[i].outputs["dense"] for i in fits])
+    diff = np.abs(got - batched[fits]).max()
+    assert diff <= TOLERANCE, f"max abs diff {diff:.2e}"
+    truncated = [o for o in outs if o.num_prompt_tokens == budget]
+    assert truncated, "long texts are truncated to the budget, not rejected"
+
+
+def test_thread_executor_equals_sync(tiny_bert: Path, batched: np.ndarray) -> None:
+    with Engine.from_workflow("bert", tiny_bert, pooler=POOLING, executor={"name": "thread"},
+                              scheduler={"params": {"max_num_requests": 64}}) as engine:
+        assert engine.executor.name == "thread" and engine.executor.max_inflight == 2
+        threaded = engine.embed(TEXTS, truncate=True)
+    diff = np.abs(threaded - batched).max()
+    assert diff <= TOLERANCE, f"max abs diff {diff:.2e}"
+
+
+def test_minilm_alone_equals_batched_under_a_tiny_budget(minilm_path: Path) -> None:
+    texts = [t for t in varied_texts(40, seed=4) if len(t.split()) <= 20]
+    with Engine.from_workflow("bert", minilm_path, scheduler={"params": {"max_num_batched_tokens": 64}}) as small:
+        under_budget = small.embed(texts)
+        alone = np.stack([small.embed(t) for t in texts[:5]])
+    with Engine.from_workflow("bert", minilm_path) as big:
+        together = big.embed(texts)
+    assert np.abs(under_budget - together).max() <= TOLERANCE
+    assert np.abs(alone - together[:5]).max() <= TOLERANCE

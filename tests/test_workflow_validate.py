@@ -1,0 +1,253 @@
+"""Workflow validation: every error class names the problem and points at file:line:column (or `--set ...`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from wde.cli import main
+from wde.errors import Issue, WorkflowError
+from wde.plugins.builtin_workflows import workflows_dir
+from wde.workflow import load_workflow
+
+
+def write(folder: Path, name: str, text: str) -> Path:
+    path = folder / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def position(path: Path, needle: str) -> tuple[int, int]:
+    """1-based line and column of the first occurrence of `needle` in the file: where the issue must point."""
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if needle in line:
+            return n, line.index(needle) + 1
+    raise AssertionError(f"{needle!r} is not in {path}")
+
+
+def only_issue(path: Path | str, overrides: list[str] | None = None) -> Issue:
+    with pytest.raises(WorkflowError) as info:
+        load_workflow(path, overrides)
+    assert len(info.value.issues) == 1, info.value.issues
+    return info.value.issues[0]
+
+
+def assert_at(issue: Issue, path: Path, needle: str) -> None:
+    line, column = position(path, needle)
+    assert (issue.location.file, issue.location.line, issue.location.column) == (str(path), line, column)
+    assert str(issue).startswith(f"{path}:{line}:{column}: ")
+
+
+def test_unknown_component_has_location_and_did_you_mean(tmp_path: Path) -> None:
+    path = write(tmp_path, "wf.yaml", "name: t\nextends: bert\nmodel:\n  name: bertt\n")
+    issue = only_issue(path)
+    assert_at(issue, path, "name: bertt")
+    assert issue.path == "model.name"
+    assert "unknown model component 'bertt'" in issue.message
+    assert "did you mean 'bert'?" in issue.message
+    assert "xlm_roberta" in issue.message
+
+
+def test_component_names_resolve_only_through_the_registry(tmp_path: Path) -> None:
+    path = write(tmp_path, "wf.yaml", "name: t\nextends: bert\nmodel:\n  name: wde.components.models.bert.BertModel\n")
+    issue = only_issue(path)
+    assert_at(issue, path, "name: wde.components")
+    assert "unknown model component" in issue.message
+
+
+def test_unknown_param_has_location_and_did_you_mean(tmp_path: Path) -> None:
+    path = write(tmp_path, "wf.yaml", "name: t\nextends: bert\nscheduler:\n  params:\n    max_num_batched_tokns: 64\n")
+    issue = only_issue(path)
+    assert_at(issue, path, "max_num_batched_tokns")
+    assert issue.path == "scheduler.params.max_num_batched_tokns"
+    assert "unknown param 'max_num_batched_tokns' for scheduler 'fcfs'" in issue.message
+    assert "did you mean 'max_num_batched_tokens'?" in issue.message
+
+
+def test_wrong_param_type(tmp_path: Path) -> None:
+    path = write(tmp_path, "wf.yaml",
+                 "name: t\nextends: bert\nscheduler:\n  params:\n    max_num_batched_tokens: lots\n")
+    issue = only_issue(path)
+    assert_at(issue, path, "max_num_batched_tokens")
+    assert "integer" in issue.message and "'lots'" in issue.message
+
+
+def test_bad_param_value(tmp_path: Path) -> None:
+    path = write(tmp_path, "wf.yaml", "name: t\nextends: bert\nscheduler:\n  params:\n    max_num_batched_tokens: -5\n")
+    issue = only_issue(path)
+    assert_at(issue, path, "max_num_batched_tokens")
+    assert "greater than 0" in issue.message and "-5" in issue.message
+
+
+def test_every_issue_is_reported_at_once(tmp_path: Path) -> None:
+    path = write(tmp_path, "wf.yaml", "name: t\nextends: bert\nmodel:\n  name: bertt\nexecutor:\n  name: thred\n")
+    with pytest.raises(WorkflowError) as info:
+        load_workflow(path)
+    assert [i.path for i in info.value.issues] == ["model.name", "executor.name"]
+    assert "did you mean 'thread'?" in info.value.issues[1].message
+
+
+def test_extends_unknown_name(tmp_path: Path) -> None:
+    path = write(tmp_path, "wf.yaml", "name: t\nextends: bret\n")
+    issue = only_issue(path)
+    assert_at(issue, path, "extends")
+    assert "unknown workflow 'bret'" in issue.message and "did you mean 'bert'?" in issue.message
+
+
+def test_extends_missing_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "wf.yaml", "name: t\nextends: ./nope.yaml\n")
+    issue = only_issue(path)
+    assert_at(issue, path, "extends")
+    assert "'./nope.yaml' does not exist" in issue.message
+
+
+def test_extends_cycle(tmp_path: Path) -> None:
+    a = write(tmp_path, "a.yaml", "name: a\nextends: b.yaml\n")
+    write(tmp_path, "b.yaml", "name: b\nextends: a.yaml\n")
+    issue = only_issue(a)
+    assert "cycle" in issue.message
+    assert "a.yaml" in issue.message and "b.yaml" in issue.message
+
+
+def test_extends_self_is_a_cycle(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.yaml", "name: a\nextends: a.yaml\n")
+    assert "cycle" in only_issue(path).message
+
+
+def test_yaml_syntax_error_location(tmp_path: Path) -> None:
+    path = write(tmp_path, "wf.yaml", "name: t\nextends: bert\nscheduler:\n  params: [1, 2\n")
+    issue = only_issue(path)
+    assert issue.location.file == str(path)
+    assert issue.location.line >= 4 and issue.location.column >= 1
+    assert issue.message.startswith("YAML syntax error")
+
+
+def test_yaml_that_is_not_a_mapping(tmp_path: Path) -> None:
+    path = write(tmp_path, "wf.yaml", "- just\n- a list\n")
+    issue = only_issue(path)
+    assert (issue.location.line, issue.location.column) == (1, 1)
+    assert "mapping" in issue.message
+
+
+def test_missing_component_kind(tmp_path: Path) -> None:
+    base = (workflows_dir() / "bert.yaml").read_text(encoding="utf-8")
+    without_executor = base.replace("executor:\n  name: sync\n", "")
+    assert without_executor != base
+    path = write(tmp_path, "wf.yaml", without_executor)
+    issue = only_issue(path)
+    assert issue.path == "executor"
+    assert issue.location.file == str(path) and issue.location.line == 1
+    assert "sets no executor component" in issue.message
+
+
+def test_component_without_name(tmp_path: Path) -> None:
+    base = (workflows_dir() / "bert.yaml").read_text(encoding="utf-8")
+    path = write(tmp_path, "wf.yaml", base.replace("executor:\n  name: sync\n", "executor:\n  params: {}\n"))
+    issue = only_issue(path)
+    assert_at(issue, path, "executor:")
+    assert issue.path == "executor.name" and "sets no executor component" in issue.message
+
+
+def test_unknown_top_level_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "wf.yaml", "name: t\nextends: bert\nschedular:\n  name: fcfs\n")
+    issue = only_issue(path)
+    assert_at(issue, path, "schedular")
+    assert issue.message == "unknown key 'schedular'"
+
+
+def test_missing_name_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "wf.yaml", "extends: bert\n")
+    issue = only_issue(path)
+    assert "missing required key 'name'" in issue.message
+
+
+def test_overrides_are_applied() -> None:
+    wf = load_workflow("bert", ["scheduler.params.max_num_batched_tokens=64", "executor.name=thread"])
+    assert wf.components["scheduler"].params.max_num_batched_tokens == 64
+    assert wf.components["scheduler"].params.max_num_requests == 256
+    assert wf.components["executor"].name == "thread"
+    nested = load_workflow("bert", {"scheduler": {"params": {"max_num_requests": 3}}})
+    assert nested.components["scheduler"].params.max_num_requests == 3
+
+
+def test_override_of_a_name_drops_the_old_params() -> None:
+    wf = load_workflow("bge_v1_5", ["pooler.name=sentence"])
+    assert wf.components["pooler"].params.pooling == "auto"
+
+
+def test_override_errors_point_at_the_override() -> None:
+    issue = only_issue("bert", ["scheduler.params.max_num_batched_tokns=5"])
+    assert issue.location.file == "--set scheduler.params.max_num_batched_tokns=5"
+    assert str(issue).startswith("--set scheduler.params.max_num_batched_tokns=5: ")
+    assert "did you mean 'max_num_batched_tokens'?" in issue.message
+    bad_value = only_issue("bert", ["scheduler.params.max_num_requests=0"])
+    assert bad_value.location.file == "--set scheduler.params.max_num_requests=0"
+    assert "greater than 0" in bad_value.message
+
+
+def test_malformed_override() -> None:
+    issue = only_issue("bert", ["scheduler.params.max_num_requests"])
+    assert issue.location.file == "--set" and "kind.params.key=value" in issue.message
+
+
+def test_extends_merges_params_with_the_parent(tmp_path: Path) -> None:
+    parent = write(tmp_path, "parent.yaml", (workflows_dir() / "bert.yaml").read_text(encoding="utf-8")
+                   .replace("  name: sync\n", "  name: thread\n  params:\n    max_inflight: 4\n"))
+    child = write(tmp_path, "child.yaml", f"name: child\nextends: {parent.name}\n"
+                  "scheduler:\n  params:\n    max_num_requests: 8\nexecutor:\n  name: thread\n")
+    wf = load_workflow(child)
+    assert wf.name == "child"
+    assert wf.components["scheduler"].params.max_num_requests == 8
+    assert wf.components["scheduler"].params.max_num_batched_tokens == 16384
+    assert wf.components["executor"].params.max_inflight == 4
+    assert wf.architectures == ("BertModel",)
+
+
+def test_child_renaming_a_component_drops_parent_params(tmp_path: Path) -> None:
+    parent = write(tmp_path, "parent.yaml", (workflows_dir() / "bert.yaml").read_text(encoding="utf-8")
+                   .replace("  name: sync\n", "  name: thread\n  params:\n    max_inflight: 4\n"))
+    child = write(tmp_path, "child.yaml", f"name: child\nextends: {parent.name}\nexecutor:\n  name: sync\n")
+    wf = load_workflow(child)
+    assert wf.components["executor"].name == "sync"
+    assert wf.components["executor"].params.model_dump() == {}
+
+
+def test_issue_in_parent_points_at_the_parent_file(tmp_path: Path) -> None:
+    parent = write(tmp_path, "parent.yaml", "name: p\nextends: bert\nscheduler:\n  params:\n    max_num_requests: -1\n")
+    child = write(tmp_path, "child.yaml", "name: c\nextends: parent.yaml\n")
+    issue = only_issue(child)
+    assert_at(issue, parent, "max_num_requests")
+
+
+def test_cli_validate_bundled_workflows_pass() -> None:
+    result = CliRunner().invoke(main, ["validate", str(workflows_dir())])
+    assert result.exit_code == 0, result.output
+    assert "0 invalid" in result.output
+    assert "(bert)" in result.output and "(bge_v1_5)" in result.output
+
+
+def test_cli_validate_json_and_exit_code(tmp_path: Path) -> None:
+    bad = write(tmp_path, "bad.yaml", "name: t\nextends: bert\nmodel:\n  name: bertt\n")
+    good = write(tmp_path, "good.yaml", "name: g\nextends: bert\n")
+    result = CliRunner().invoke(main, ["validate", "--format", "json", str(bad), str(good)])
+    assert result.exit_code == 1
+    report = json.loads(result.output)
+    assert report["ok"] is False
+    by_file = {f["file"]: f for f in report["files"]}
+    assert by_file[str(good)]["ok"] is True and by_file[str(good)]["issues"] == []
+    (issue,) = by_file[str(bad)]["issues"]
+    line, column = position(bad, "name: bertt")
+    assert issue == {"file": str(bad), "line": line, "column": column, "path": "model.name",
+                     "message": issue["message"]}
+    assert "did you mean 'bert'?" in issue["message"]
+
+
+def test_cli_validate_text_errors_and_overrides(tmp_path: Path) -> None:
+    good = write(tmp_path, "good.yaml", "name: g\nextends: bert\n")
+    result = CliRunner().invoke(main, ["validate", str(good), "--set", "scheduler.params.max_num_requests=-2"])
+    assert result.exit_code == 1
+    assert "error --set scheduler.params.max_num_requests=-2: scheduler.params.max_num_requests:" in result.output
+    assert "0 valid, 1 invalid" in result.output
