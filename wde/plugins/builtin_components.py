@@ -5,10 +5,15 @@ from __future__ import annotations
 from typing import Callable
 
 from wde.components.attention.torch_sdpa import TorchSDPABackend
+from wde.components.attention.triton_varlen import TritonVarlenBackend
+from wde.components.bge_m3 import BGEM3OutputProcessor, BGEM3Pooler
+from wde.components.classifier import ClassifierPooler
 from wde.components.executor import SyncExecutor, ThreadExecutor
 from wde.components.input_processor import TextInputProcessor
 from wde.components.model_input_builder import PackedInputBuilder
 from wde.components.models.bert import BertModel, XLMRobertaModel
+from wde.components.models.llama import LlamaModel, MistralModel
+from wde.components.models.qwen2 import Qwen2Model
 from wde.components.output_processor import EmbeddingOutputProcessor
 from wde.components.pooler import SentencePooler
 from wde.components.request_processor import LazyTokenizeRequestProcessor
@@ -24,13 +29,20 @@ BUILTIN_COMPONENTS: tuple[type, ...] = (
     FCFSScheduler,
     PackedInputBuilder,
     TorchSDPABackend,
+    TritonVarlenBackend,
     BertModel,
     XLMRobertaModel,
+    Qwen2Model,
+    LlamaModel,
+    MistralModel,
     SentencePooler,
+    BGEM3Pooler,
+    ClassifierPooler,
     TorchRunner,
     SyncExecutor,
     ThreadExecutor,
     EmbeddingOutputProcessor,
+    BGEM3OutputProcessor,
 )
 
 

@@ -12,6 +12,15 @@ DEFAULT_ARCHITECTURES: dict[str, str] = {
     "BertModel": "bert",
     "XLMRobertaModel": "xlm_roberta",
     "RobertaModel": "xlm_roberta",
+    "BertForSequenceClassification": "sequence_classification",
+    "XLMRobertaForSequenceClassification": "xlm_roberta_sequence_classification",
+    "RobertaForSequenceClassification": "xlm_roberta_sequence_classification",
+    "Qwen2Model": "gte_qwen2",
+    "Qwen2ForCausalLM": "gte_qwen2",
+    "MistralModel": "e5_mistral",
+    "MistralForCausalLM": "e5_mistral",
+    "LlamaModel": "decoder_features",
+    "LlamaForCausalLM": "decoder_features",
 }
 
 

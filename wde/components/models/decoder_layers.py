@@ -1,0 +1,190 @@
+"""Decoder-only transformer layers over packed tokens (Llama, Mistral, Qwen2), and the stack they share.
+
+Packed tokens carry their own 0-based position within their sequence (`ModelInput.positions`), so rotary
+embeddings are looked up per token and no padding is ever made. q|k|v and gate|up are fused projections:
+one GEMM each instead of three and two.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from wde.components.attention.base import AttentionBackend, AttentionMetadata
+from wde.components.base import BuildContext
+from wde.components.model_input_builder import ModelInput
+from wde.components.models.base import ModelParams, PrefillModel
+from wde.components.models.loader import fused_linear
+from wde.errors import ModelLoadError
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""RoPE variants whose frequencies do not depend on the sequence length (dynamic/longrope ones do)."""
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as the reference models do, then scaled in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary position embedding: cos/sin computed once per batch from each token's position."""
+
+    def __init__(self, cfg: object, head_dim: int) -> None:
+        super().__init__()
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise ModelLoadError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}")
+        if rope_type == "default":
+            theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+            self.attention_scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [tokens, 1, head_dim], broadcast over heads."""
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [tokens, heads, head_dim] by the per-token angles (halves rotated, not interleaved pairs)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class DecoderAttention(nn.Module):
+    """Grouped-query attention with rotary q/k; k/v may have fewer heads than q."""
+
+    def __init__(self, cfg: object, backend: AttentionBackend, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
+        self.scale = self.head_dim ** -0.5
+        self.sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+        self.qkv_proj = fused_linear(cfg.hidden_size, self.sizes, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, meta, self.scale)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU-style MLP: down(act(gate(x)) * up(x)), with gate|up fused into one projection."""
+
+    def __init__(self, cfg: object, bias: bool) -> None:
+        super().__init__()
+        self.intermediate_size = int(cfg.intermediate_size)
+        self.gate_up_proj = fused_linear(cfg.hidden_size, [self.intermediate_size] * 2, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=bias)
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, cfg: object, backend: AttentionBackend, attn_biases: tuple[bool, bool], mlp_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, backend, *attn_biases)
+        self.mlp = GatedMLP(cfg, mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def sliding_window(cfg: object) -> int | None:
+    """The attention window the config applies to at least one layer, or None when every layer sees all tokens."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+class DecoderModel(PrefillModel):
+    """The decoder stack shared by Llama, Mistral and Qwen2: embeddings, layers, final norm.
+
+    Subclasses name the config `model_types` they serve (loading a Qwen2 checkpoint into a bias-free Llama
+    would silently drop weights) and which attention projections have biases. Sliding-window attention is not implemented:
+    a model whose window is shorter than the longest input the tokenizer allows is refused at build time, so
+    every accepted input fits in the window and is computed exactly.
+    """
+
+    checkpoint_prefixes = ("model.",)
+    packed_modules_mapping = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+        "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    }
+    default_causal = True
+    model_types: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, params: ModelParams, ctx: BuildContext) -> None:
+        cfg = ctx.source.hf_config
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in self.model_types:
+            raise ModelLoadError(f"model {self.name!r} serves config model_type {', '.join(self.model_types)};"
+                                 f" {ctx.source.path} is {model_type!r}")
+        window = sliding_window(cfg)
+        if window is not None and ctx.tokenizer.max_length > window:
+            raise ModelLoadError(
+                f"the config uses sliding-window attention (window {window} tokens), which WDE does not implement,"
+                f" and inputs of up to {ctx.tokenizer.max_length} tokens are allowed; set"
+                f" tokenizer.params.max_length <= {window} so every input fits in the window")
+        super().__init__(params, ctx)
+
+    def attention_biases(self, cfg: object) -> tuple[bool, bool]:
+        """Whether the q/k/v projection and the output projection have biases."""
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return bias, bias
+
+    def build(self, cfg: object) -> None:
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        biases, mlp_bias = self.attention_biases(cfg), bool(getattr(cfg, "mlp_bias", False))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.attn_backend, biases, mlp_bias)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg, self.layers[0].self_attn.head_dim)
+
+    def forward(self, batch: ModelInput) -> torch.Tensor:
+        meta = self.attn_backend.build_metadata(batch, self.causal)
+        x = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary_emb(batch.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta)
+        return self.norm(x)

@@ -1,0 +1,22 @@
+"""What `wde serve` is told: the workflow and model to serve, where to listen, and the limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    workflow: str | None = None
+    model: str | None = None
+    host: str = "127.0.0.1"
+    """Loopback by default: exposing the server is an explicit choice."""
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    max_client_batch_size: int = 1024
+    """Inputs one HTTP request may carry."""
+    max_concurrent_requests: int = 512
+    """HTTP requests in flight at once; one more is answered 429 at once rather than queued."""
+    trust_remote_code: bool = False

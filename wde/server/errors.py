@@ -1,0 +1,90 @@
+"""API errors and the two JSON shapes they are sent in: OpenAI's and TEI's.
+
+Handlers raise `ApiError(kind, message)`; the kind fixes the status code. Which shape goes out depends on
+the route family (TEI routes answer like TEI so TEI clients parse our errors), decided in `error_style`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+ErrorKind = Literal["empty", "validation", "too_long", "not_found", "unauthorized", "unsupported", "overloaded",
+                    "backend", "unhealthy", "bad_json"]
+Style = Literal["openai", "tei"]
+
+STATUS: dict[str, int] = {
+    "empty": 400,
+    "bad_json": 400,
+    "unauthorized": 401,
+    "not_found": 404,
+    "validation": 422,
+    "too_long": 422,
+    "unsupported": 424,
+    "overloaded": 429,
+    "backend": 500,
+    "unhealthy": 503,
+}
+
+_OPENAI_TYPE: dict[str, str] = {
+    "unauthorized": "authentication_error",
+    "not_found": "invalid_request_error",
+    "overloaded": "rate_limit_error",
+    "backend": "internal_server_error",
+    "unhealthy": "service_unavailable",
+}
+
+_TEI_TYPE: dict[str, str] = {
+    "empty": "empty",
+    "bad_json": "validation",
+    "validation": "validation",
+    "too_long": "validation",
+    "unsupported": "backend",
+    "backend": "backend",
+    "overloaded": "overloaded",
+    "unhealthy": "unhealthy",
+    "unauthorized": "unauthorized",
+    "not_found": "validation",
+}
+
+TEI_PATHS = frozenset({"/embed", "/embed_sparse", "/rerank", "/predict", "/tokenize", "/info", "/health"})
+
+
+class ApiError(Exception):
+    """A request the server refuses or could not serve; `param` names the offending field when there is one."""
+
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+
+    @property
+    def status(self) -> int:
+        return STATUS[self.kind]
+
+
+def error_style(request: Request) -> Style:
+    """A handler may pick the style (/rerank answers in the shape it was asked in); else the path decides."""
+    chosen = getattr(request.state, "error_style", None)
+    if chosen is not None:
+        return chosen
+    return "tei" if request.url.path in TEI_PATHS else "openai"
+
+
+def error_body(error: ApiError, style: Style) -> dict:
+    if style == "tei":
+        return {"error": error.message, "error_type": _TEI_TYPE[error.kind]}
+    return {"error": {"message": error.message, "type": _OPENAI_TYPE.get(error.kind, "invalid_request_error"),
+                      "param": error.param, "code": error.kind}}
+
+
+def error_response(error: ApiError, style: Style) -> JSONResponse:
+    return JSONResponse(error_body(error, style), status_code=error.status)
+
+
+async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return error_response(exc, error_style(request))

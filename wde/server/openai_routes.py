@@ -1,0 +1,79 @@
+"""OpenAI-compatible routes: /v1/embeddings, /v1/models, and /pooling (every output, e.g. bge-m3's
+dense + sparse + colbert, in OpenAI's list envelope)."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from wde.request import PoolingParams
+from wde.server.errors import ApiError
+from wde.server.protocol import EmbeddingRequest, PoolingRequest, embed_items, parse, read_json
+from wde.server.service import Service, to_json
+
+router = APIRouter()
+
+
+def service(request: Request) -> Service:
+    return request.app.state.service
+
+
+def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str:
+    """OpenAI's base64 format is the little-endian float32 bytes of the vector."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.ascontiguousarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector.astype(np.float32).tolist()
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> JSONResponse:
+    svc = service(request)
+    body = parse(EmbeddingRequest, await read_json(request))
+    svc.check_model(body.model)
+    svc.require("dense", "/v1/embeddings")
+    params = PoolingParams(truncate=body.truncate, prompt_name=body.prompt_name, dimensions=body.dimensions,
+                           outputs=("dense",))
+    result = await svc.run(request, embed_items(body.input), params, "input")
+    vectors = [o.outputs["dense"] for o in result.outputs]
+    if body.dimensions is not None and vectors[0].shape[-1] < body.dimensions:
+        raise ApiError("validation", f"dimensions={body.dimensions} is larger than the model's embedding size"
+                       f" {vectors[0].shape[-1]}", "dimensions")
+    data = [{"object": "embedding", "embedding": encode_vector(v, body.encoding_format), "index": i}
+            for i, v in enumerate(vectors)]
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    return JSONResponse({"object": "list", "data": data, "model": svc.model_name, "usage": usage},
+                        headers=result.headers)
+
+
+@router.post("/pooling")
+async def pooling(request: Request) -> JSONResponse:
+    svc = service(request)
+    body = parse(PoolingRequest, await read_json(request))
+    svc.check_model(body.model)
+    wanted = tuple(body.outputs) if body.outputs else svc.supported
+    unknown = [o for o in wanted if o not in svc.supported]
+    if unknown:
+        raise ApiError("validation", f"outputs {unknown} are not produced by this model; it produces"
+                       f" {list(svc.supported)}", "outputs")
+    params = PoolingParams(truncate=body.truncate, truncation_direction=body.truncation_direction,
+                           normalize=body.normalize, prompt_name=body.prompt_name, dimensions=body.dimensions,
+                           outputs=wanted)
+    result = await svc.run(request, embed_items(body.input), params, "input")
+    data = [{"object": "pooling", "index": i, **{k: to_json(v) for k, v in o.outputs.items() if k in wanted}}
+            for i, o in enumerate(result.outputs)]
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    return JSONResponse({"object": "list", "data": data, "model": svc.model_name, "usage": usage},
+                        headers=result.headers)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    svc = service(request)
+    engine = svc.engine.engine
+    card = {"id": svc.model_name, "object": "model", "created": svc.created, "owned_by": "wde",
+            "root": str(engine.source.path), "workflow": engine.workflow.name,
+            "outputs": list(engine.supported_outputs), "max_model_len": engine.max_length}
+    return JSONResponse({"object": "list", "data": [card]})

@@ -1,0 +1,187 @@
+"""Request bodies of every route, as pydantic models, and `parse`, which turns a bad body into a 422 naming the field.
+
+Unknown fields are ignored, as OpenAI, Cohere/Jina and TEI (serde) servers do.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar, Union
+
+from fastapi import Request
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from wde.server.errors import ApiError
+
+TokenIds = list[int]
+EmbedInput = Union[str, list[str], TokenIds, list[TokenIds]]
+TeiInput = Union[str, TokenIds, list[Union[str, TokenIds]]]
+Direction = Literal["right", "left"]
+
+
+def _direction(value: Any) -> Any:
+    """TEI accepts Right/Left as well as right/left."""
+    return value.lower() if isinstance(value, str) else value
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI /v1/embeddings."""
+
+    input: EmbedInput
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, gt=0)
+    user: str | None = None
+    truncate: bool = False
+    """Extension: truncate over-long inputs instead of rejecting them."""
+    prompt_name: str | None = None
+    """Extension: a named instruction prefix of the model (e.g. "query")."""
+
+
+class PoolingRequest(BaseModel):
+    """/pooling: every output the workflow produces (dense, sparse, colbert...), or the ones asked for."""
+
+    input: EmbedInput
+    model: str | None = None
+    outputs: list[str] | None = None
+    truncate: bool = False
+    truncation_direction: Direction = "right"
+    normalize: bool | None = None
+    prompt_name: str | None = None
+    dimensions: int | None = Field(None, gt=0)
+
+    _direction = field_validator("truncation_direction", mode="before")(_direction)
+
+
+class Document(BaseModel):
+    text: str
+
+
+class RerankRequest(BaseModel):
+    """Cohere/Jina/vLLM rerank."""
+
+    query: str
+    documents: list[Union[str, Document]]
+    model: str | None = None
+    top_n: int | None = Field(None, ge=0)
+    return_documents: bool = True
+    truncate: bool = False
+    raw_scores: bool = False
+
+
+class TeiRerankRequest(BaseModel):
+    """TEI /rerank."""
+
+    query: str
+    texts: list[str]
+    truncate: bool | None = None
+    truncation_direction: Direction = "right"
+    raw_scores: bool = False
+    return_text: bool = False
+
+    _direction = field_validator("truncation_direction", mode="before")(_direction)
+
+
+class ScoreRequest(BaseModel):
+    """vLLM /score: pairs (equal-length lists) or one text against many."""
+
+    text_1: Union[str, list[str]]
+    text_2: Union[str, list[str]]
+    model: str | None = None
+    truncate: bool = False
+    raw_scores: bool = False
+
+
+class ClassifyRequest(BaseModel):
+    """vLLM /classify."""
+
+    input: Union[str, list[str]]
+    model: str | None = None
+    truncate: bool = False
+
+
+class TeiEmbedRequest(BaseModel):
+    """TEI /embed."""
+
+    inputs: TeiInput
+    truncate: bool | None = None
+    truncation_direction: Direction = "right"
+    prompt_name: str | None = None
+    normalize: bool = True
+    dimensions: int | None = Field(None, gt=0)
+
+    _direction = field_validator("truncation_direction", mode="before")(_direction)
+
+
+class TeiSparseRequest(BaseModel):
+    """TEI /embed_sparse."""
+
+    inputs: TeiInput
+    truncate: bool | None = None
+    truncation_direction: Direction = "right"
+    prompt_name: str | None = None
+
+    _direction = field_validator("truncation_direction", mode="before")(_direction)
+
+
+class TeiPredictRequest(BaseModel):
+    """TEI /predict: a text, a [text, text_pair] pair, or a batch of [text] / [text, text_pair] lists."""
+
+    inputs: Union[str, list[str], list[list[str]]]
+    truncate: bool | None = None
+    truncation_direction: Direction = "right"
+    raw_scores: bool = False
+
+    _direction = field_validator("truncation_direction", mode="before")(_direction)
+
+
+class TeiTokenizeRequest(BaseModel):
+    """TEI /tokenize."""
+
+    inputs: Union[str, list[str]]
+    add_special_tokens: bool = True
+    prompt_name: str | None = None
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], body: Any) -> M:
+    """Validate a JSON body; a bad one becomes `ApiError("validation")` naming each bad field."""
+    if not isinstance(body, dict):
+        raise ApiError("validation", f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        problems = []
+        fields = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"] if not _is_union_tag(x))
+            fields.append(loc)
+            problems.append(f"{loc}: {err['msg']}")
+        raise ApiError("validation", "invalid request: " + "; ".join(dict.fromkeys(problems)),
+                       fields[0] if fields else None) from None
+
+
+def _is_union_tag(part: Any) -> bool:
+    """Pydantic names union members in error locations (`input.str`, `input.list[int]`); hide them."""
+    return isinstance(part, str) and (part in {"str", "int"} or part[:1].isupper()
+                                      or part.startswith(("list[", "function-", "union[")))
+
+
+async def read_json(request: Request) -> Any:
+    """The request body as JSON; malformed JSON is a 400 (the body never reached validation)."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise ApiError("bad_json", f"the request body is not valid JSON: {e}") from None
+
+
+def embed_items(value: Any) -> list[Any]:
+    """OpenAI/TEI `input(s)`: one text, token ids, or a list of either, as a list of engine inputs."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(x, int) for x in value):
+        return [{"token_ids": list(value)}]
+    return [x if isinstance(x, str) else {"token_ids": list(x)} for x in value]

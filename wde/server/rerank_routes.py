@@ -1,0 +1,61 @@
+"""/rerank and /v1/rerank: one path, two request shapes.
+
+A body with `documents` is Cohere/Jina/vLLM-style and gets `{"results": [{index, relevance_score, document}]}`;
+a body with `texts` is TEI's and gets TEI's bare list `[{index, score, text?}]` (and TEI's error shape).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from wde.request import PoolingParams
+from wde.server.protocol import Document, RerankRequest, TeiRerankRequest, parse, read_json
+from wde.server.service import Result, Service, scalar
+
+router = APIRouter()
+
+
+async def _scores(svc: Service, request: Request, query: str, docs: list[str], params: PoolingParams,
+                  field: str) -> tuple[list[tuple[int, float]], Result]:
+    """(index, score) best first, and the raw result for usage and headers."""
+    svc.require("score", request.url.path)
+    result = await svc.run(request, [(query, d) for d in docs], params, field)
+    ranked = sorted(((i, scalar(o.outputs["score"])) for i, o in enumerate(result.outputs)), key=lambda x: -x[1])
+    return ranked, result
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+async def rerank(request: Request) -> JSONResponse:
+    svc: Service = request.app.state.service
+    raw = await read_json(request)
+    if isinstance(raw, dict) and "texts" in raw and "documents" not in raw:
+        request.state.error_style = "tei"
+        return await _tei_rerank(svc, request, parse(TeiRerankRequest, raw))
+    request.state.error_style = "openai"
+    body = parse(RerankRequest, raw)
+    svc.check_model(body.model)
+    docs = [d.text if isinstance(d, Document) else d for d in body.documents]
+    params = PoolingParams(truncate=body.truncate, activation=False if body.raw_scores else None, outputs=("score",))
+    ranked, result = await _scores(svc, request, body.query, docs, params, "documents")
+    if body.top_n:
+        ranked = ranked[:body.top_n]
+    results = []
+    for i, score in ranked:
+        item: dict = {"index": i, "relevance_score": score}
+        if body.return_documents:
+            item["document"] = {"text": docs[i]}
+        results.append(item)
+    return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": svc.model_name, "results": results,
+                         "usage": {"total_tokens": result.prompt_tokens}}, headers=result.headers)
+
+
+async def _tei_rerank(svc: Service, request: Request, body: TeiRerankRequest) -> JSONResponse:
+    params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
+                           activation=False if body.raw_scores else None, outputs=("score",))
+    ranked, result = await _scores(svc, request, body.query, body.texts, params, "texts")
+    ranks = [{"index": i, "score": s, **({"text": body.texts[i]} if body.return_text else {})} for i, s in ranked]
+    return JSONResponse(ranks, headers=result.headers)

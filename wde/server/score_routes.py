@@ -1,0 +1,75 @@
+"""vLLM-style /score (text pairs, or one text against many) and /classify."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from wde.request import PoolingParams
+from wde.server.errors import ApiError
+from wde.server.protocol import ClassifyRequest, ScoreRequest, parse, read_json
+from wde.server.service import Service, scalar
+
+router = APIRouter()
+
+
+def _pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
+    """vLLM's rules: a single text_1 (or a one-element list) is scored against every text_2; else zip."""
+    left = [text_1] if isinstance(text_1, str) else text_1
+    right = [text_2] if isinstance(text_2, str) else text_2
+    if len(left) == 1:
+        left = left * len(right)
+    if len(left) != len(right):
+        raise ApiError("validation", f"text_1 has {len(left)} texts and text_2 has {len(right)}; send one text_1"
+                       " or as many as text_2", "text_1")
+    return list(zip(left, right))
+
+
+@router.post("/score")
+async def score(request: Request) -> JSONResponse:
+    """Cross-encoders score each pair; embedding models answer with the cosine similarity of the two texts."""
+    svc: Service = request.app.state.service
+    body = parse(ScoreRequest, await read_json(request))
+    svc.check_model(body.model)
+    if "dense" not in svc.supported:
+        svc.require("score", "/score")
+    pairs = _pairs(body.text_1, body.text_2)
+    if "score" in svc.supported:
+        params = PoolingParams(truncate=body.truncate, activation=False if body.raw_scores else None,
+                               outputs=("score",))
+        result = await svc.run(request, pairs, params, "text_2")
+        scores = [scalar(o.outputs["score"]) for o in result.outputs]
+    else:
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        params = PoolingParams(truncate=body.truncate, normalize=True, outputs=("dense",))
+        result = await svc.run(request, texts, params, "text_2")
+        vec = {t: o.outputs["dense"] for t, o in zip(texts, result.outputs)}
+        scores = [float(np.dot(vec[a], vec[b])) for a, b in pairs]
+    data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                         "model": svc.model_name, "data": data, "usage": usage}, headers=result.headers)
+
+
+@router.post("/classify")
+async def classify(request: Request) -> JSONResponse:
+    svc: Service = request.app.state.service
+    body = parse(ClassifyRequest, await read_json(request))
+    svc.check_model(body.model)
+    svc.require("probs", "/classify")
+    inputs = [body.input] if isinstance(body.input, str) else body.input
+    result = await svc.run(request, inputs, PoolingParams(truncate=body.truncate, outputs=("probs",)), "input")
+    labels = svc.labels()
+    data = []
+    for i, o in enumerate(result.outputs):
+        probs = np.asarray(o.outputs["probs"], dtype=np.float32).reshape(-1)
+        best = int(probs.argmax())
+        data.append({"index": i, "label": labels[best] if best < len(labels) else str(best),
+                     "probs": probs.tolist(), "num_classes": int(probs.shape[0])})
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                         "model": svc.model_name, "data": data, "usage": usage}, headers=result.headers)

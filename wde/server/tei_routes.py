@@ -1,0 +1,185 @@
+"""text-embeddings-inference (TEI) compatible routes: same request fields, defaults and response JSON.
+
+/rerank, which also speaks TEI, lives in rerank_routes.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+import wde
+from wde.request import PoolingParams
+from wde.server.errors import ApiError, error_response
+from wde.server.protocol import (TeiEmbedRequest, TeiPredictRequest, TeiSparseRequest, TeiTokenizeRequest, embed_items,
+                                 parse, read_json)
+from wde.server.service import Service, scalar
+
+router = APIRouter()
+
+
+def service(request: Request) -> Service:
+    return request.app.state.service
+
+
+@router.post("/embed")
+async def embed(request: Request) -> JSONResponse:
+    svc = service(request)
+    body = parse(TeiEmbedRequest, await read_json(request))
+    svc.require("dense", "/embed")
+    params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
+                           normalize=body.normalize, prompt_name=body.prompt_name, dimensions=body.dimensions,
+                           outputs=("dense",))
+    result = await svc.run(request, embed_items(body.inputs), params, "inputs")
+    vectors = [o.outputs["dense"] for o in result.outputs]
+    if body.dimensions is not None and vectors[0].shape[-1] < body.dimensions:
+        raise ApiError("validation", f"dimensions={body.dimensions} is larger than the model's embedding size"
+                       f" {vectors[0].shape[-1]}", "dimensions")
+    return JSONResponse([v.astype(np.float32).tolist() for v in vectors], headers=result.headers)
+
+
+@router.post("/embed_sparse")
+async def embed_sparse(request: Request) -> JSONResponse:
+    svc = service(request)
+    body = parse(TeiSparseRequest, await read_json(request))
+    svc.require("sparse", "/embed_sparse")
+    params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
+                           prompt_name=body.prompt_name, outputs=("sparse",))
+    result = await svc.run(request, embed_items(body.inputs), params, "inputs")
+    try:
+        sparse = [[{"index": int(k), "value": float(v)} for k, v in sorted(o.outputs["sparse"].items())]
+                  for o in result.outputs]
+    except ValueError:
+        raise ApiError("unsupported", "/embed_sparse needs sparse weights keyed by token id; this workflow keys"
+                       " them by token text (set output_processor.params.sparse_keys=ids)") from None
+    return JSONResponse(sparse, headers=result.headers)
+
+
+def _predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[Any], bool]:
+    """TEI's reading: a string or a flat list of one or two strings is one input; a list of lists is a batch."""
+    def one(seq: list[str]) -> Any:
+        if len(seq) not in (1, 2):
+            raise ApiError("validation", f"inputs: a sequence is a single string or a pair of strings, got {len(seq)}"
+                           " strings", "inputs")
+        return seq[0] if len(seq) == 1 else (seq[0], seq[1])
+
+    if isinstance(inputs, str):
+        return [inputs], True
+    if inputs and isinstance(inputs[0], str):
+        return [one(inputs)], True  # type: ignore[arg-type]
+    return [one(seq) for seq in inputs], False  # type: ignore[arg-type]
+
+
+@router.post("/predict")
+async def predict(request: Request) -> JSONResponse:
+    """Classifiers answer every label, best first; cross-encoders their single score."""
+    svc = service(request)
+    body = parse(TeiPredictRequest, await read_json(request))
+    output = "probs" if "probs" in svc.supported else "score"
+    svc.require(output, "/predict")
+    items, single = _predict_inputs(body.inputs)
+    params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
+                           activation=False if body.raw_scores else None, outputs=(output,))
+    result = await svc.run(request, items, params, "inputs")
+    labels = svc.labels()
+    predictions = []
+    for o in result.outputs:
+        if output == "probs":
+            values = np.asarray(o.outputs[output], dtype=np.float32).reshape(-1).tolist()
+        else:
+            values = [scalar(o.outputs[output])]
+        preds = [{"score": float(s), "label": labels[i] if i < len(labels) else f"LABEL_{i}"}
+                 for i, s in enumerate(values)]
+        predictions.append(sorted(preds, key=lambda p: -p["score"]))
+    return JSONResponse(predictions[0] if single else predictions, headers=result.headers)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    svc = service(request)
+    body = parse(TeiTokenizeRequest, await read_json(request))
+    texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    if not texts:
+        raise ApiError("empty", "inputs is empty: send at least one text", "inputs")
+    if len(texts) > svc.config.max_client_batch_size:
+        raise ApiError("validation", f"batch size {len(texts)} > maximum allowed batch size"
+                       f" {svc.config.max_client_batch_size}", "inputs")
+    tokenizer = getattr(svc.engine.engine.tokenizer, "hf_tokenizer", None)
+    if tokenizer is None:
+        raise ApiError("unsupported", "this workflow's tokenizer does not expose a Hugging Face tokenizer")
+    prompts = getattr(svc.engine.engine.input_processor, "prompts", {})
+    if body.prompt_name is not None and body.prompt_name not in prompts:
+        raise ApiError("validation", f"prompt_name {body.prompt_name!r} is not defined; defined prompts:"
+                       f" {sorted(prompts) or 'none'}", "prompt_name")
+    prefix = prompts[body.prompt_name] if body.prompt_name else ""
+    tokens = await asyncio.to_thread(_tokens, tokenizer, [prefix + t for t in texts], body.add_special_tokens)
+    return JSONResponse(tokens)
+
+
+def _tokens(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
+    enc = tokenizer(texts, add_special_tokens=add_special_tokens, return_offsets_mapping=True,
+                    return_attention_mask=False, return_token_type_ids=False)
+    special = set(tokenizer.all_special_ids)
+    out = []
+    for text, ids, offsets in zip(texts, enc["input_ids"], enc["offset_mapping"]):
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        row = []
+        for tid, piece, (start, stop) in zip(ids, pieces, offsets):
+            is_special = tid in special
+            row.append({"id": tid, "text": piece if is_special else text[start:stop], "special": is_special,
+                        "start": None if is_special else start, "stop": None if is_special else stop})
+        out.append(row)
+    return out
+
+
+def _model_type(svc: Service) -> dict:
+    supported = svc.supported
+    if "probs" in supported or "score" in supported:
+        labels = svc.labels() or ["LABEL_0"]
+        classes = {"id2label": {str(i): name for i, name in enumerate(labels)},
+                   "label2id": {name: i for i, name in enumerate(labels)}}
+        return {"classifier" if "probs" in supported else "reranker": classes}
+    pooler = svc.engine.engine.components["pooler"]
+    pooling = getattr(pooler, "mode", svc.engine.engine.workflow.components["pooler"].name)
+    return {"embedding": {"pooling": str(pooling)}}
+
+
+@router.get("/info")
+async def info(request: Request) -> JSONResponse:
+    svc = service(request)
+    engine = svc.engine.engine
+    model = engine.components["model"]
+    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    sched = getattr(engine.scheduler, "params", None)
+    return JSONResponse({
+        "model_id": svc.config.model or str(engine.source.path),
+        "model_sha": None,
+        "model_dtype": str(param.dtype).removeprefix("torch.") if param is not None else "unknown",
+        "served_model_name": svc.model_name,
+        "model_type": _model_type(svc),
+        "max_concurrent_requests": svc.config.max_concurrent_requests,
+        "max_input_length": engine.max_length,
+        "max_batch_tokens": getattr(sched, "max_num_batched_tokens", None),
+        "max_batch_requests": getattr(sched, "max_num_requests", None),
+        "max_client_batch_size": svc.config.max_client_batch_size,
+        "auto_truncate": False,
+        "tokenization_workers": 1,
+        "version": wde.__version__,
+        "sha": None,
+        "docker_label": None,
+        "workflow": engine.workflow.name,
+        "outputs": list(engine.supported_outputs),
+    })
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    svc = service(request)
+    if not svc.engine.healthy:
+        return error_response(ApiError("unhealthy", "the engine is not running"
+                                       + (f": {svc.engine.error}" if svc.engine.error else "")), "tei")
+    return JSONResponse({})
