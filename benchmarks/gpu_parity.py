@@ -27,7 +27,8 @@ from tests import tiny_decoders, tiny_heads, tiny_models  # noqa: E402
 from wde import Engine, PoolingParams  # noqa: E402
 
 TEXTS = tiny_models.varied_texts(64, seed=3)
-PAIRS = [(TEXTS[i], TEXTS[(i * 7 + 3) % len(TEXTS)]) for i in range(len(TEXTS))]
+TRUNCATE = PoolingParams(truncate=True)
+PAIRS = [(" ".join(TEXTS[i].split()[:16]), TEXTS[(i * 7 + 3) % len(TEXTS)]) for i in range(len(TEXTS))]
 
 
 def _cos_rows(a: np.ndarray, b: np.ndarray) -> float:
@@ -47,7 +48,7 @@ def _sparse_vec(d: dict, vocab: int) -> np.ndarray:
     return v
 
 
-def families(root: Path) -> list[tuple[str, Callable[[], Path], dict[str, Any], list, PoolingParams | None]]:
+def families(root: Path) -> list[tuple[str, Callable[[], Path], dict[str, Any], list, PoolingParams]]:
     """(workflow, model builder, workflow overrides, inputs, params)."""
     mean = {"pooler": {"params": {"pooling": "mean"}}}
     cls_ = {"pooler": {"params": {"pooling": "cls"}}}
@@ -55,20 +56,20 @@ def families(root: Path) -> list[tuple[str, Callable[[], Path], dict[str, Any], 
     xlmr = lambda: tiny_models.build_xlmr(root / "xlmr")  # noqa: E731
     qwen_tok = tiny_decoders.qwen2_tokenizer(real=False)
     return [
-        ("bert", bert, mean, TEXTS, None),
-        ("bge_v1_5", bert, {}, TEXTS, None),
-        ("snowflake_arctic_embed", bert, {}, TEXTS, None),
-        ("xlm_roberta", xlmr, cls_, TEXTS, None),
-        ("snowflake_arctic_embed_l_v2", xlmr, {}, TEXTS, None),
-        ("bge_m3", lambda: tiny_heads.build_bge_m3(root / "m3"), {}, TEXTS, PoolingParams(outputs=("dense", "sparse", "colbert"))),
-        ("cross_encoder", lambda: tiny_heads.build_minilm_classifier(bert(), root / "ce", 1), {}, PAIRS, None),
-        ("bge_reranker_v2_m3", lambda: tiny_heads.build_xlmr_classifier(root / "rr", 1), {}, PAIRS, None),
-        ("sequence_classification", lambda: tiny_heads.build_minilm_classifier(bert(), root / "cls", 3), {}, TEXTS, None),
-        ("xlm_roberta_sequence_classification", lambda: tiny_heads.build_xlmr_classifier(root / "xcls", 5), {}, TEXTS, None),
-        ("gte_qwen2", lambda: tiny_decoders.build_qwen2(root / "qwen", qwen_tok), {}, TEXTS, None),
-        ("e5_mistral", lambda: tiny_decoders.build_mistral(root / "mistral"), {}, TEXTS, None),
-        ("llm2vec", lambda: tiny_decoders.build_mistral(root / "mistral-bi"), {}, TEXTS, None),
-        ("decoder_features", lambda: tiny_decoders.build_qwen2(root / "qwen-f", qwen_tok), {}, TEXTS, None),
+        ("bert", bert, mean, TEXTS, TRUNCATE),
+        ("bge_v1_5", bert, {}, TEXTS, TRUNCATE),
+        ("snowflake_arctic_embed", bert, {}, TEXTS, TRUNCATE),
+        ("xlm_roberta", xlmr, cls_, TEXTS, TRUNCATE),
+        ("snowflake_arctic_embed_l_v2", xlmr, {}, TEXTS, TRUNCATE),
+        ("bge_m3", lambda: tiny_heads.build_bge_m3(root / "m3"), {}, TEXTS, PoolingParams(truncate=True, outputs=("dense", "sparse", "colbert"))),
+        ("cross_encoder", lambda: tiny_heads.build_minilm_classifier(bert(), root / "ce", 1), {}, PAIRS, TRUNCATE),
+        ("bge_reranker_v2_m3", lambda: tiny_heads.build_xlmr_classifier(root / "rr", 1), {}, PAIRS, TRUNCATE),
+        ("sequence_classification", lambda: tiny_heads.build_minilm_classifier(bert(), root / "cls", 3), {}, TEXTS, TRUNCATE),
+        ("xlm_roberta_sequence_classification", lambda: tiny_heads.build_xlmr_classifier(root / "xcls", 5), {}, TEXTS, TRUNCATE),
+        ("gte_qwen2", lambda: tiny_decoders.build_qwen2(root / "qwen", qwen_tok), {}, TEXTS, TRUNCATE),
+        ("e5_mistral", lambda: tiny_decoders.build_mistral(root / "mistral"), {}, TEXTS, TRUNCATE),
+        ("llm2vec", lambda: tiny_decoders.build_mistral(root / "mistral-bi"), {}, TEXTS, TRUNCATE),
+        ("decoder_features", lambda: tiny_decoders.build_llama(root / "llama"), {}, TEXTS, TRUNCATE),
     ]
 
 
@@ -104,12 +105,12 @@ def main() -> None:
     for workflow, build, overrides, inputs, params in families(root):
         path = build()
         with Engine.from_workflow(workflow, path, device="cpu", dtype="float32", **overrides) as cpu:
-            ref = cpu.encode(inputs, params, raise_on_error=True) if params else cpu.encode(inputs, raise_on_error=True)
+            ref = cpu.encode(inputs, params)
             vocab = cpu.tokenizer.vocab_size
         for backend in args.backends.split(","):
             with Engine.from_workflow(workflow, path, device=args.device, dtype=args.dtype,
                                       attention={"name": backend}, **overrides) as gpu:
-                got = gpu.encode(inputs, params) if params else gpu.encode(inputs)
+                got = gpu.encode(inputs, params)
             scores = compare(ref, got, vocab)
             worst = min([worst, *scores.values()])
             shown = "  ".join(f"{k}={v:.6f}" for k, v in scores.items())

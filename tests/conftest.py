@@ -9,6 +9,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton reads this when it is first imported, and transformers may import it before tests/test_kernels.py
+    # runs: set it before anything else so the kernels run in the interpreter on CPU.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest  # noqa: E402
 
 from tests import tiny_models  # noqa: E402

@@ -1,7 +1,7 @@
 """Triton kernels against torch references; on CPU they run in triton's interpreter, so shapes stay tiny.
 
-TRITON_INTERPRET must be set before the kernel modules are imported (triton fixes compiled vs interpreted
-when a kernel is defined), hence the environment edit above the imports.
+TRITON_INTERPRET must be set before triton is first imported (it fixes compiled vs interpreted then); conftest.py
+sets it at the very start of the session when no CUDA device is present.
 """
 
 from __future__ import annotations
@@ -12,9 +12,6 @@ import sys
 from pathlib import Path
 
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

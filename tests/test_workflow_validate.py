@@ -173,9 +173,16 @@ def test_overrides_are_applied() -> None:
     assert nested.components["scheduler"].params.max_num_requests == 3
 
 
-def test_override_of_a_name_drops_the_old_params() -> None:
-    wf = load_workflow("bge_v1_5", ["pooler.name=sentence"])
-    assert wf.components["pooler"].params.pooling == "auto"
+def test_override_of_a_name_keeps_only_the_params_the_new_component_declares() -> None:
+    same = load_workflow("bge_v1_5", ["pooler.name=sentence"])
+    assert same.components["pooler"].params.pooling == "cls"
+    swapped = load_workflow("llm2vec", ["attention.name=triton_varlen"])
+    assert swapped.components["attention"].name == "triton_varlen"
+    assert swapped.components["attention"].params.causal is False
+    threaded = load_workflow("bert", ["executor.name=thread", "executor.params.max_inflight=3"])
+    back = load_workflow("bert", {"executor": {"name": "thread", "params": {"max_inflight": 3}}})
+    assert threaded.components["executor"].params.max_inflight == back.components["executor"].params.max_inflight == 3
+    assert load_workflow("bert", ["executor.name=thread"]).components["executor"].params.max_inflight == 2
 
 
 def test_override_errors_point_at_the_override() -> None:
@@ -206,7 +213,7 @@ def test_extends_merges_params_with_the_parent(tmp_path: Path) -> None:
     assert wf.architectures == ("BertModel",)
 
 
-def test_child_renaming_a_component_drops_parent_params(tmp_path: Path) -> None:
+def test_child_renaming_a_component_drops_params_the_new_one_lacks(tmp_path: Path) -> None:
     parent = write(tmp_path, "parent.yaml", (workflows_dir() / "bert.yaml").read_text(encoding="utf-8")
                    .replace("  name: sync\n", "  name: thread\n  params:\n    max_inflight: 4\n"))
     child = write(tmp_path, "child.yaml", f"name: child\nextends: {parent.name}\nexecutor:\n  name: sync\n")

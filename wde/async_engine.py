@@ -11,14 +11,10 @@ import asyncio
 import itertools
 import logging
 import threading
-import time
-from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from wde.components.scheduler import SchedulerOutput
-from wde.engine import Engine
+from wde.engine import BatchStats, Engine
 from wde.errors import RequestError
 from wde.request import PoolingParams, RequestOutput
 
@@ -33,19 +29,6 @@ class EngineUnavailable(Exception):
     """The engine thread is stopped or died; nothing can be served."""
 
 
-class BatchFailed(Exception):
-    """The batch holding this request raised inside the engine (the model, the input builder...)."""
-
-
-@dataclass(frozen=True)
-class BatchStats:
-    """One finished batch, as reported to `on_batch` (called on the engine thread)."""
-
-    num_requests: int
-    num_tokens: int
-    seconds: float
-
-
 _Resolution = tuple["asyncio.Future[RequestOutput]", RequestOutput | BaseException]
 
 
@@ -56,7 +39,7 @@ class AsyncEngine:
                  on_batch: Callable[[BatchStats], None] | None = None) -> None:
         self.engine = engine
         self.max_concurrent_requests = max_concurrent_requests
-        self._on_batch = on_batch
+        engine.on_batch = on_batch
         self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[RequestOutput]]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -66,8 +49,6 @@ class AsyncEngine:
         self.active_calls = 0
         """`encode` calls admitted and not finished (touched only on the event loop)."""
         self.num_aborted = 0
-        self.num_batches = 0
-        self.num_batched_requests = 0
         self.error: BaseException | None = None
         """Set when the engine loop itself died (not a single batch); the engine is then unhealthy."""
 
@@ -99,8 +80,8 @@ class AsyncEngine:
                      field: str = "input") -> list[RequestOutput]:
         """Run inputs through the engine (batched with everyone else's); outputs come back in input order.
 
-        Raises `RequestError` (naming `field[i]`) for invalid input, `EngineOverloaded`, `EngineUnavailable`,
-        or `BatchFailed`. Cancelling the await aborts the requests that have not been scheduled yet.
+        Raises `RequestError` (naming `field[i]`) for invalid input, `EngineOverloaded` or `EngineUnavailable`;
+        a request whose batch failed comes back with an error of kind "internal". Cancelling the await aborts the requests that have not been scheduled yet.
         """
         if not self.healthy:
             raise EngineUnavailable("the engine is not running" + (f": {self.error}" if self.error else ""))
@@ -142,56 +123,24 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
-        inflight: deque[tuple[SchedulerOutput, Future, float]] = deque()
         try:
             while not self._stopping:
                 self._wake.clear()
-                while len(inflight) < engine.executor.max_inflight:
-                    batch = engine.scheduler.schedule()
-                    self._deliver(batch.rejected)
-                    if not batch.scheduled:
-                        break
-                    started = time.perf_counter()
-                    try:
-                        inflight.append((batch, engine.executor.submit(engine.input_builder.build(batch)), started))
-                    except Exception as e:  # noqa: BLE001 - the batch fails, the server keeps serving
-                        self._fail_batch(batch, e)
-                if inflight:
-                    self._finish(*inflight.popleft())
-                else:
-                    self._wake.wait(0.005 if engine.scheduler.has_unfinished() else None)
+                outputs = engine.step()
+                if outputs:
+                    self._resolve([(o.request_id, o) for o in outputs])
+                elif not engine.has_unfinished():
+                    self._wake.wait()
         except BaseException as e:  # noqa: BLE001 - recorded, reported as unhealthy, pending requests failed
             log.exception("the engine loop died")
             self.error = e
             self._fail_all(e)
-
-    def _finish(self, batch: SchedulerOutput, future: Future, started: float) -> None:
-        try:
-            pooled, seconds = future.result()
-            outputs = self.engine.output_processor.process(batch, pooled, seconds)
-        except Exception as e:  # noqa: BLE001 - the batch fails, the server keeps serving
-            self._fail_batch(batch, e)
-            return
-        self.num_batches += 1
-        self.num_batched_requests += len(batch.scheduled)
-        if self._on_batch is not None:
-            self._on_batch(BatchStats(len(batch.scheduled), batch.num_tokens, time.perf_counter() - started))
-        self._deliver(outputs)
-
-    def _fail_batch(self, batch: SchedulerOutput, error: Exception) -> None:
-        log.error("a batch of %d requests failed: %r", len(batch.scheduled), error)
-        failure = BatchFailed(f"inference failed: {type(error).__name__}: {error}")
-        self._resolve([(s.request.request_id, failure) for s in batch.scheduled])
 
     def _fail_all(self, error: BaseException) -> None:
         failure = EngineUnavailable(f"the engine loop died: {type(error).__name__}: {error}")
         with self._lock:
             ids = list(self._pending)
         self._resolve([(rid, failure) for rid in ids])
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        if outputs:
-            self._resolve([(o.request_id, o) for o in outputs])
 
     def _resolve(self, results: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Hand results to their event loops, one callback per loop (requests of gone callers are dropped)."""

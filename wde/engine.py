@@ -13,7 +13,8 @@ import itertools
 from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -25,6 +26,15 @@ from wde.model_source import ModelSource
 from wde.registry import get_registry
 from wde.request import PoolingParams, RequestOutput
 from wde.workflow import ResolvedWorkflow, load_workflow, overrides_to_paths
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """One finished batch: how many requests and tokens, and the device seconds it took."""
+
+    num_requests: int
+    num_tokens: int
+    seconds: float
 
 
 class Engine:
@@ -50,6 +60,8 @@ class Engine:
         self.max_length: int = ctx.request_processor.max_length
         self.supported_outputs: tuple[str, ...] = tuple(ctx.pooler.outputs)
         """What this workflow produces (e.g. ("dense",), ("score",)); the server routes on it."""
+        self.on_batch: Callable[[BatchStats], None] | None = None
+        """Called (on the thread running `step`) after each finished batch; the server's metrics use it."""
         self._ids = itertools.count()
         self._inflight: deque[tuple[SchedulerOutput, Future[tuple[Pooled, float]]]] = deque()
 
@@ -107,12 +119,27 @@ class Engine:
             finished.extend(batch.rejected)
             if not batch.scheduled:
                 break
-            self._inflight.append((batch, self.executor.submit(self.input_builder.build(batch))))
+            try:
+                self._inflight.append((batch, self.executor.submit(self.input_builder.build(batch))))
+            except Exception as e:  # noqa: BLE001 - one failed batch fails its own requests, not the engine
+                finished.extend(self._failed(batch, e))
         if self._inflight:
             batch, future = self._inflight.popleft()
-            pooled, seconds = future.result()
-            finished.extend(self.output_processor.process(batch, pooled, seconds))
+            try:
+                pooled, seconds = future.result()
+                outputs = self.output_processor.process(batch, pooled, seconds)
+            except Exception as e:  # noqa: BLE001 - one failed batch fails its own requests, not the engine
+                finished.extend(self._failed(batch, e))
+            else:
+                finished.extend(outputs)
+                if self.on_batch is not None:
+                    self.on_batch(BatchStats(len(batch.scheduled), batch.num_tokens, seconds))
         return finished
+
+    @staticmethod
+    def _failed(batch: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        failure = RequestError(f"inference failed: {type(error).__name__}: {error}", kind="internal")
+        return [RequestOutput(s.request.request_id, error=failure) for s in batch.scheduled]
 
     def encode(self, inputs: Sequence[Any], params: PoolingParams | None = None, *, progress: bool = False,
                raise_on_error: bool = True) -> list[RequestOutput]:

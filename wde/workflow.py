@@ -8,7 +8,7 @@ resolved through the registry.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -85,6 +85,8 @@ class _Layer:
     data: dict[str, Any]
     locations: dict[KeyPath, Location]
     file: str
+    inherited: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Params of a component that was replaced by another name: the new component keeps those it declares."""
 
 
 def _pydantic_issues(err: ValidationError, locations: dict[KeyPath, Location], prefix: KeyPath) -> list[Issue]:
@@ -115,27 +117,27 @@ def _read_layer(path: Path) -> _Layer:
 
 
 def _merge(base: _Layer, child: _Layer) -> _Layer:
-    """Child keys override the parent's; a component keeping its name merges params key by key."""
+    """Child keys override the parent's; a component keeping its name merges params key by key, a component
+    replaced by another name keeps (as `inherited`) the parent's params for the new one to pick from."""
     data = copy.deepcopy(base.data)
     locations = dict(base.locations)
+    inherited = copy.deepcopy(base.inherited)
     for key, value in child.data.items():
         if key == "extends":
             continue
         if key in COMPONENT_KINDS and isinstance(value, dict) and isinstance(data.get(key), dict):
             parent = data[key]
-            same = value.get("name") in (None, parent.get("name"))
-            if not same:
-                locations = {p: l for p, l in locations.items() if p[:1] != (key,)}
-            merged = {"name": value.get("name", parent.get("name"))}
-            params = dict(parent.get("params") or {}) if same else {}
+            params = dict(parent.get("params") or {})
+            if value.get("name") not in (None, parent.get("name")):
+                inherited[key] = {**inherited.get(key, {}), **params}
+                params = {}
             params.update(value.get("params") or {})
-            merged["params"] = params
-            data[key] = merged
+            data[key] = {"name": value.get("name", parent.get("name")), "params": params}
         else:
             locations = {p: l for p, l in locations.items() if p[:1] != (key,)}
             data[key] = copy.deepcopy(value)
     locations.update({p: l for p, l in child.locations.items() if p})
-    return _Layer(data, locations, child.file)
+    return _Layer(data, locations, child.file, inherited)
 
 
 def _load_chain(path: Path, registry: Registry, seen: tuple[Path, ...] = ()) -> _Layer:
@@ -203,9 +205,13 @@ def overrides_to_paths(overrides: Overrides) -> list[tuple[KeyPath, Any]]:
 def _apply_overrides(layer: _Layer, overrides: list[tuple[KeyPath, Any]]) -> _Layer:
     data = copy.deepcopy(layer.data)
     locations = dict(layer.locations)
+    inherited = copy.deepcopy(layer.inherited)
     for path, value in overrides:
-        if path[0] in COMPONENT_KINDS and len(path) >= 2 and path[1] == "name":
-            data.setdefault(path[0], {})["params"] = {}
+        current = data.get(path[0])
+        if path[0] in COMPONENT_KINDS and path[1:] == ("name",) and isinstance(current, dict) \
+                and current.get("name") != value:
+            inherited[path[0]] = {**inherited.get(path[0], {}), **(current.get("params") or {})}
+            current["params"] = {}
         node = data
         for key in path[:-1]:
             if not isinstance(node.get(key), dict):
@@ -214,7 +220,7 @@ def _apply_overrides(layer: _Layer, overrides: list[tuple[KeyPath, Any]]) -> _La
         node[path[-1]] = value
         dotted = ".".join(str(p) for p in path)
         locations[path] = Location(f"--set {dotted}={value}")
-    return _Layer(data, locations, layer.file)
+    return _Layer(data, locations, layer.file, inherited)
 
 
 def _resolve_components(layer: _Layer, registry: Registry) -> dict[str, ResolvedComponent]:
@@ -240,8 +246,9 @@ def _resolve_components(layer: _Layer, registry: Registry) -> dict[str, Resolved
                                 f" (available: {', '.join(names) or 'none'})"))
             continue
         cls: type[Component] = entry.value  # type: ignore[assignment]
+        kept = {k: v for k, v in layer.inherited.get(kind, {}).items() if k in cls.Params.model_fields}
         try:
-            params = cls.Params.model_validate(ref.params)
+            params = cls.Params.model_validate({**kept, **ref.params})
         except ValidationError as e:
             field_names = list(cls.Params.model_fields)
             for issue in _pydantic_issues(e, layer.locations, (kind, "params")):

@@ -47,16 +47,28 @@ class FCFSScheduler(Component):
         self._waiting: deque[Request] = deque()
         self._ready: deque[SchedulableRequest] = deque()
         self._aborted: set[str] = set()
+        self._queued: set[str] = set()
         self._lock = threading.Lock()
 
     def add(self, request: Request) -> None:
         with self._lock:
+            self._queued.add(request.request_id)
             self._waiting.append(request)
 
     def abort(self, request_id: str) -> None:
-        """Drop a request that has not been scheduled yet (e.g. its client went away)."""
+        """Drop a request that has not been scheduled yet (e.g. its client went away); others are ignored."""
         with self._lock:
-            self._aborted.add(request_id)
+            if request_id in self._queued:
+                self._aborted.add(request_id)
+
+    def _dequeued(self, request_id: str) -> bool:
+        """Forget a request leaving the queue; True if it had been aborted."""
+        with self._lock:
+            self._queued.discard(request_id)
+            if request_id in self._aborted:
+                self._aborted.discard(request_id)
+                return True
+            return False
 
     @property
     def num_waiting(self) -> int:
@@ -72,6 +84,7 @@ class FCFSScheduler(Component):
                 r = self._waiting.popleft()
                 if r.request_id in self._aborted:
                     self._aborted.discard(r.request_id)
+                    self._queued.discard(r.request_id)
                     continue
                 taken.append(r)
             return taken
@@ -89,17 +102,15 @@ class FCFSScheduler(Component):
                 for req, res in zip(chunk, self._request_processor.process(chunk, budget)):
                     if isinstance(res, SchedulableRequest):
                         self._ready.append(res)
-                    else:
+                    elif not self._dequeued(req.request_id):
                         out.rejected.append(RequestOutput(req.request_id, error=res, tokenization_time=req.tokenization_time))
                 continue
             head = self._ready[0]
-            if head.request.request_id in self._aborted:
-                self._aborted.discard(head.request.request_id)
-                self._ready.popleft()
-                continue
             if tokens + head.num_tokens > budget:
                 break
             self._ready.popleft()
+            if self._dequeued(head.request.request_id):
+                continue
             head.request.scheduled_time = now
             out.scheduled.append(head)
             tokens += head.num_tokens

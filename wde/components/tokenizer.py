@@ -50,6 +50,9 @@ class HFTokenizer(Component):
         if max_pos is not None:
             limits.append(max_pos - self.position_offset(cfg))
         self.max_length: int = min(x for x in limits if x is not None) if any(limits) else 512
+        # Length limits are enforced by the request processor with a clear error; silence transformers' own
+        # "sequence length is longer than the specified maximum" warning for inputs it is about to reject.
+        self._tok.model_max_length = int(1e30)
         if params.add_eos and self._tok.eos_token_id is None:
             raise ModelLoadError(f"tokenizer.params.add_eos is set but the tokenizer in {ctx.source.path} has no EOS token")
         self._returns_types = "token_type_ids" in self._tok.model_input_names and getattr(cfg, "type_vocab_size", 0) > 1

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 from fastapi import Request
 
-from wde.async_engine import AsyncEngine, BatchFailed, EngineOverloaded, EngineUnavailable
+from wde.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
 from wde.errors import RequestError
 from wde.request import PoolingParams, RequestOutput
 from wde.server.config import ServerConfig
@@ -95,8 +95,9 @@ class Service:
             raise ApiError("overloaded", str(e)) from None
         except EngineUnavailable as e:
             raise ApiError("unhealthy", str(e)) from None
-        except BatchFailed as e:
-            raise ApiError("backend", str(e)) from None
+        failed = [o.error for o in outputs if o.error is not None and o.error.kind == "internal"]
+        if failed:
+            raise ApiError("backend", str(failed[0]))
         for i, out in enumerate(outputs):
             if out.error is not None:
                 where = field if len(outputs) == 1 else f"{field}[{i}]"
