@@ -31,15 +31,22 @@ SIZES = {
     "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
     "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
     "xlmr-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+    "qwen2-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                       intermediate_size=8960),
 }
 
 
 def random_model(size: str, tokenizer_src: Path, out: Path) -> Path:
     """A random model of real dimensions, saved with a real tokenizer and a mean-pooling ST config."""
-    from transformers import AutoTokenizer, BertConfig, BertModel, XLMRobertaConfig, XLMRobertaModel
+    from transformers import (AutoTokenizer, BertConfig, BertModel, Qwen2Config, Qwen2Model, XLMRobertaConfig,
+                              XLMRobertaModel)
 
     tok = AutoTokenizer.from_pretrained(tokenizer_src)
-    if size.startswith("xlmr"):
+    if size.startswith("qwen2"):
+        cfg = Qwen2Config(vocab_size=len(tok), max_position_embeddings=32768, **SIZES[size])
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = Qwen2Model(cfg).half()
+    elif size.startswith("xlmr"):
         cfg = XLMRobertaConfig(vocab_size=len(tok), max_position_embeddings=514, pad_token_id=1, **SIZES[size])
         model = XLMRobertaModel(cfg)
     else:
@@ -72,6 +79,8 @@ def main() -> None:
     ap.add_argument("--max-batched-tokens", type=int, default=16384)
     ap.add_argument("--executor", default="sync", choices=["sync", "thread"])
     ap.add_argument("--attention", default="torch_sdpa")
+    ap.add_argument("--workflow", default=None, help="workflow (default: chosen from the model's architecture)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs of each side (best is reported)")
     args = ap.parse_args()
 
@@ -87,7 +96,7 @@ def main() -> None:
     texts = sentences(args.n, args.mean_words)
     dtype = getattr(torch, args.dtype)
 
-    engine = Engine.from_workflow(None, path, dtype=args.dtype, device=args.device,
+    engine = Engine.from_workflow(args.workflow, path, dtype=args.dtype, device=args.device, overrides=args.overrides,
                                   attention={"name": args.attention, "params": {}},
                                   scheduler={"params": {"max_num_batched_tokens": args.max_batched_tokens, "max_num_requests": 1024}},
                                   executor={"name": args.executor, "params": {}})
