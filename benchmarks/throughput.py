@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2000, help="number of sentences")
     ap.add_argument("--mean-words", type=int, default=30)
     ap.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers encode batch size")
-    ap.add_argument("--max-batched-tokens", type=int, default=16384)
+    ap.add_argument("--max-batched-tokens", default="auto", help="scheduler token budget (auto: 16384 GPU, 2048 CPU)")
     ap.add_argument("--executor", default="sync", choices=["sync", "thread"])
     ap.add_argument("--attention", default="torch_sdpa")
     ap.add_argument("--workflow", default=None, help="workflow (default: chosen from the model's architecture)")
@@ -98,7 +98,7 @@ def main() -> None:
 
     engine = Engine.from_workflow(args.workflow, path, dtype=args.dtype, device=args.device, overrides=args.overrides,
                                   attention={"name": args.attention, "params": {}},
-                                  scheduler={"params": {"max_num_batched_tokens": args.max_batched_tokens, "max_num_requests": 1024}},
+                                  scheduler={"params": {"max_num_batched_tokens": int(args.max_batched_tokens) if args.max_batched_tokens.isdigit() else "auto", "max_num_requests": 1024}},
                                   executor={"name": args.executor, "params": {}})
     st = SentenceTransformer(str(path), device=args.device, model_kwargs={"torch_dtype": dtype})
     max_len = min(engine.max_length, st.max_seq_length)

@@ -64,3 +64,12 @@ def test_minilm_alone_equals_batched_under_a_tiny_budget(minilm_path: Path) -> N
         together = big.embed(texts)
     assert np.abs(under_budget - together).max() <= TOLERANCE
     assert np.abs(alone - together[:5]).max() <= TOLERANCE
+
+
+def test_auto_token_budget_fits_the_longest_input(minilm_engine) -> None:
+    from wde.components.scheduler import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET
+    from wde.device import default_device
+
+    default = GPU_TOKEN_BUDGET if default_device().type == "cuda" else CPU_TOKEN_BUDGET
+    assert minilm_engine.scheduler.params.max_num_batched_tokens == "auto"
+    assert minilm_engine.scheduler.token_budget == max(default, minilm_engine.max_length)

@@ -90,7 +90,7 @@ def test_inspect_shows_effective_params() -> None:
     assert graph["pooler"]["params"] == {"pooling": "cls", "normalize": True}
     assert graph["input_processor"]["params"]["prompts"]["query"].startswith("Represent this sentence")
     assert graph["input_processor"]["params"]["pairs"] == "forbid"
-    assert graph["scheduler"]["params"]["max_num_batched_tokens"] == 16384
+    assert graph["scheduler"]["params"]["max_num_batched_tokens"] == "auto"
     assert graph["model"] == {"name": "bert", "plugin": "wde.plugins.builtin_components",
                               "params": graph["model"]["params"]}
     assert graph["architectures"] == ["BertModel"]

@@ -208,7 +208,7 @@ def test_extends_merges_params_with_the_parent(tmp_path: Path) -> None:
     wf = load_workflow(child)
     assert wf.name == "child"
     assert wf.components["scheduler"].params.max_num_requests == 8
-    assert wf.components["scheduler"].params.max_num_batched_tokens == 16384
+    assert wf.components["scheduler"].params.max_num_batched_tokens == "auto"
     assert wf.components["executor"].params.max_inflight == 4
     assert wf.architectures == ("BertModel",)
 

@@ -8,6 +8,7 @@ resolved through the registry.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -89,9 +90,30 @@ class _Layer:
     """Params of a component that was replaced by another name: the new component keeps those it declares."""
 
 
+_UNION_TAG = re.compile(r"^[a-z][a-z-]*(\[.*\])?$")
+
+
+def _merge_union_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pydantic reports a value that fits no member of `int | Literal["auto"]` once per member, with the member's
+    tag appended to `loc`; fold those into one error at the field, listing what each member expected."""
+    merged: dict[tuple, dict[str, Any]] = {}
+    for e in errors:
+        loc = tuple(e["loc"])
+        siblings = [x for x in errors if tuple(x["loc"])[:-1] == loc[:-1] and len(x["loc"]) == len(loc)]
+        if len(loc) > 1 and len(siblings) > 1 and all(_UNION_TAG.match(str(x["loc"][-1])) for x in siblings):
+            key = loc[:-1]
+            if key in merged:
+                merged[key]["msg"] += f" or {e['msg'][0].lower()}{e['msg'][1:]}"
+            else:
+                merged[key] = {**e, "loc": key}
+        else:
+            merged[loc] = e
+    return list(merged.values())
+
+
 def _pydantic_issues(err: ValidationError, locations: dict[KeyPath, Location], prefix: KeyPath) -> list[Issue]:
     issues = []
-    for e in err.errors():
+    for e in _merge_union_errors(err.errors()):
         path = prefix + tuple(e["loc"])
         dotted = ".".join(str(p) for p in path)
         msg = e["msg"]
@@ -99,7 +121,7 @@ def _pydantic_issues(err: ValidationError, locations: dict[KeyPath, Location], p
             msg = f"unknown key {path[-1]!r}"
         elif e["type"] == "missing":
             msg = f"missing required key {path[-1]!r}"
-        elif "input" in e and e["type"] not in ("missing",):
+        elif "input" in e:
             msg = f"{msg} (got {e['input']!r})"
         issues.append(Issue(locate(locations, path), dotted, msg))
     return issues

@@ -1,4 +1,4 @@
-"""Schedulers: decide which waiting requests form the next batch. Plain Python, no torch.
+"""Schedulers: decide which waiting requests form the next batch. Plain Python: no tensors.
 
 Prefill-only requests are independent (no KV cache, no preemption), so first-come-first-served under a
 token budget and a request cap is enough, and scheduling can run ahead of the device.
@@ -10,15 +10,24 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from wde.components.base import BuildContext, Component, Params
+from wde.device import default_device
 from wde.request import Request, RequestOutput, SchedulableRequest
 
 
+GPU_TOKEN_BUDGET = 16384
+CPU_TOKEN_BUDGET = 2048
+"""On CPU, batches past a few thousand tokens spill the caches and run slower per token (docs/benchmarks.md)."""
+
+
 class FCFSParams(Params):
-    max_num_batched_tokens: int = Field(16384, gt=0, description="token budget of one batch")
+    max_num_batched_tokens: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
+    """Token budget of one batch. auto: 16384 with a CUDA device, 2048 on CPU, and never below the model's
+    max length (so any admissible input fits a batch)."""
     max_num_requests: int = Field(256, gt=0, description="requests in one batch at most")
 
 
@@ -44,6 +53,11 @@ class FCFSScheduler(Component):
     def __init__(self, params: FCFSParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
         self._request_processor = ctx.request_processor
+        budget = params.max_num_batched_tokens
+        if budget == "auto":
+            default = GPU_TOKEN_BUDGET if default_device().type == "cuda" else CPU_TOKEN_BUDGET
+            budget = max(default, ctx.request_processor.max_length)
+        self.token_budget: int = budget
         self._waiting: deque[Request] = deque()
         self._ready: deque[SchedulableRequest] = deque()
         self._aborted: set[str] = set()
@@ -91,7 +105,7 @@ class FCFSScheduler(Component):
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget, cap = self.params.max_num_batched_tokens, self.params.max_num_requests
+        budget, cap = self.token_budget, self.params.max_num_requests
         tokens = 0
         now = time.perf_counter()
         while len(out.scheduled) < cap:

@@ -163,7 +163,7 @@ async def info(request: Request) -> JSONResponse:
         "model_type": _model_type(svc),
         "max_concurrent_requests": svc.config.max_concurrent_requests,
         "max_input_length": engine.max_length,
-        "max_batch_tokens": getattr(sched, "max_num_batched_tokens", None),
+        "max_batch_tokens": getattr(engine.scheduler, "token_budget", None),
         "max_batch_requests": getattr(sched, "max_num_requests", None),
         "max_client_batch_size": svc.config.max_client_batch_size,
         "auto_truncate": False,

@@ -12,6 +12,7 @@ from wde.components.attention.base import AttentionBackend
 from wde.components.base import BuildContext, Component, Params
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.loader import load_weights
+from wde.device import default_device
 from wde.errors import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -26,7 +27,7 @@ class ModelParams(Params):
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return default_device()
     return torch.device(device)
 
 
