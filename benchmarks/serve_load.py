@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import random
@@ -62,7 +63,11 @@ def serve_naive(port: int, model: str) -> None:
     from fastapi import FastAPI
     from sentence_transformers import SentenceTransformer
 
-    st = SentenceTransformer(model, device="cpu")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    st = SentenceTransformer(model, device="cuda" if cuda else "cpu",
+                             model_kwargs={"torch_dtype": torch.float16 if cuda else torch.float32})
     app = FastAPI()
 
     @app.get("/health")
@@ -93,29 +98,46 @@ class LoadResult:
         return float(np.percentile(self.latencies, q)) * 1000
 
 
+async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, path: str,
+                body: bytes) -> int:
+    """One keep-alive HTTP/1.1 POST; returns the status. A bare client keeps the load generator's own CPU use
+    small: on a 2-core machine an httpx client would take CPU away from the server under test."""
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    await writer.drain()
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+    await reader.readexactly(length)
+    return status
+
+
 async def load(url: str, texts: list[str], clients: int) -> LoadResult:
-    queue: asyncio.Queue[str] = asyncio.Queue()
+    """`clients` connections, each sending one single-text request at a time until `texts` is used up."""
+    host, port = url.removeprefix("http://").split(":")
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
     for t in texts:
-        queue.put_nowait(t)
+        queue.put_nowait(json.dumps({"input": t, "model": "bench"}).encode())
     latencies: list[float] = []
     failures = 0
 
-    async def client(http: httpx.AsyncClient) -> None:
+    async def client() -> None:
         nonlocal failures
-        while not queue.empty():
-            text = queue.get_nowait()
-            start = time.perf_counter()
-            r = await http.post(f"{url}/v1/embeddings", json={"input": text})
-            if r.status_code == 200:
-                latencies.append(time.perf_counter() - start)
-            else:
-                failures += 1
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            while not queue.empty():
+                body = queue.get_nowait()
+                start = time.perf_counter()
+                if await _post(reader, writer, host, "/v1/embeddings", body) == 200:
+                    latencies.append(time.perf_counter() - start)
+                else:
+                    failures += 1
+        finally:
+            writer.close()
 
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        start = time.perf_counter()
-        await asyncio.gather(*(client(http) for _ in range(clients)))
-        return LoadResult(time.perf_counter() - start, latencies, failures)
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return LoadResult(time.perf_counter() - start, latencies, failures)
 
 
 def wait_healthy(url: str, proc: mp.Process, timeout: float = 300) -> None:
