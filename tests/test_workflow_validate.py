@@ -134,7 +134,7 @@ def test_yaml_that_is_not_a_mapping(tmp_path: Path) -> None:
 
 def test_missing_component_kind(tmp_path: Path) -> None:
     base = (workflows_dir() / "bert.yaml").read_text(encoding="utf-8")
-    without_executor = base.replace("executor:\n  name: sync\n", "")
+    without_executor = base.replace("executor:\n  name: thread\n", "")
     assert without_executor != base
     path = write(tmp_path, "wf.yaml", without_executor)
     issue = only_issue(path)
@@ -145,7 +145,7 @@ def test_missing_component_kind(tmp_path: Path) -> None:
 
 def test_component_without_name(tmp_path: Path) -> None:
     base = (workflows_dir() / "bert.yaml").read_text(encoding="utf-8")
-    path = write(tmp_path, "wf.yaml", base.replace("executor:\n  name: sync\n", "executor:\n  params: {}\n"))
+    path = write(tmp_path, "wf.yaml", base.replace("executor:\n  name: thread\n", "executor:\n  params: {}\n"))
     issue = only_issue(path)
     assert_at(issue, path, "executor:")
     assert issue.path == "executor.name" and "sets no executor component" in issue.message
@@ -165,10 +165,10 @@ def test_missing_name_key(tmp_path: Path) -> None:
 
 
 def test_overrides_are_applied() -> None:
-    wf = load_workflow("bert", ["scheduler.params.max_num_batched_tokens=64", "executor.name=thread"])
+    wf = load_workflow("bert", ["scheduler.params.max_num_batched_tokens=64", "executor.name=sync"])
     assert wf.components["scheduler"].params.max_num_batched_tokens == 64
     assert wf.components["scheduler"].params.max_num_requests == 256
-    assert wf.components["executor"].name == "thread"
+    assert wf.components["executor"].name == "sync"
     nested = load_workflow("bert", {"scheduler": {"params": {"max_num_requests": 3}}})
     assert nested.components["scheduler"].params.max_num_requests == 3
 
@@ -202,7 +202,7 @@ def test_malformed_override() -> None:
 
 def test_extends_merges_params_with_the_parent(tmp_path: Path) -> None:
     parent = write(tmp_path, "parent.yaml", (workflows_dir() / "bert.yaml").read_text(encoding="utf-8")
-                   .replace("  name: sync\n", "  name: thread\n  params:\n    max_inflight: 4\n"))
+                   .replace("  name: thread\n", "  name: thread\n  params:\n    max_inflight: 4\n"))
     child = write(tmp_path, "child.yaml", f"name: child\nextends: {parent.name}\n"
                   "scheduler:\n  params:\n    max_num_requests: 8\nexecutor:\n  name: thread\n")
     wf = load_workflow(child)
@@ -215,7 +215,7 @@ def test_extends_merges_params_with_the_parent(tmp_path: Path) -> None:
 
 def test_child_renaming_a_component_drops_params_the_new_one_lacks(tmp_path: Path) -> None:
     parent = write(tmp_path, "parent.yaml", (workflows_dir() / "bert.yaml").read_text(encoding="utf-8")
-                   .replace("  name: sync\n", "  name: thread\n  params:\n    max_inflight: 4\n"))
+                   .replace("  name: thread\n", "  name: thread\n  params:\n    max_inflight: 4\n"))
     child = write(tmp_path, "child.yaml", f"name: child\nextends: {parent.name}\nexecutor:\n  name: sync\n")
     wf = load_workflow(child)
     assert wf.components["executor"].name == "sync"

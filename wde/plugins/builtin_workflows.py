@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 from typing import Callable
 
@@ -26,10 +25,9 @@ DEFAULT_ARCHITECTURES: dict[str, str] = {
 
 def workflows_dir() -> Path:
     """`workflows/` of a source checkout, or the copy installed as package data `wde.workflows`."""
-    checkout = Path(__file__).resolve().parents[2] / "workflows"
-    if checkout.is_dir():
-        return checkout
-    return Path(str(resources.files("wde.workflows")))
+    here = Path(__file__).resolve()
+    checkout = here.parents[2] / "workflows"
+    return checkout if checkout.is_dir() else here.parents[1] / "workflows"
 
 
 @hookimpl
