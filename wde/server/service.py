@@ -13,6 +13,7 @@ from fastapi import Request
 
 from wde.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
 from wde.errors import RequestError
+from wde.model_source import DEFAULT_MODEL
 from wde.request import PoolingParams, RequestOutput
 from wde.server.config import ServerConfig
 from wde.server.errors import ApiError
@@ -47,7 +48,7 @@ class Service:
         self.engine = engine
         self.config = config
         self.metrics = metrics
-        self.model_name = config.served_model_name or config.model or str(engine.engine.source.path)
+        self.model_name = config.served_model_name or config.model or DEFAULT_MODEL
         self.created = int(time.time())
 
     @property

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 import wde
+from wde.model_source import DEFAULT_MODEL
 from wde.request import PoolingParams
 from wde.server.errors import ApiError, error_response
 from wde.server.protocol import (TeiEmbedRequest, TeiPredictRequest, TeiSparseRequest, TeiTokenizeRequest, embed_items,
@@ -156,7 +157,7 @@ async def info(request: Request) -> JSONResponse:
     param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
     sched = getattr(engine.scheduler, "params", None)
     return JSONResponse({
-        "model_id": svc.config.model or str(engine.source.path),
+        "model_id": svc.config.model or DEFAULT_MODEL,
         "model_sha": None,
         "model_dtype": str(param.dtype).removeprefix("torch.") if param is not None else "unknown",
         "served_model_name": svc.model_name,
