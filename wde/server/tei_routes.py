@@ -36,11 +36,7 @@ async def embed(request: Request) -> JSONResponse:
                            normalize=body.normalize, prompt_name=body.prompt_name, dimensions=body.dimensions,
                            outputs=("dense",))
     result = await svc.run(request, embed_items(body.inputs), params, "inputs")
-    vectors = [o.outputs["dense"] for o in result.outputs]
-    if body.dimensions is not None and vectors[0].shape[-1] < body.dimensions:
-        raise ApiError("validation", f"dimensions={body.dimensions} is larger than the model's embedding size"
-                       f" {vectors[0].shape[-1]}", "dimensions")
-    return JSONResponse([v.astype(np.float32).tolist() for v in vectors], headers=result.headers)
+    return JSONResponse([v.astype(np.float32).tolist() for v in result.dense(body.dimensions)], headers=result.headers)
 
 
 @router.post("/embed_sparse")
