@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -102,18 +102,20 @@ class ModelSource:
             return bins
         raise ModelLoadError(f"no weights in {self.path}: expected *.safetensors or pytorch_model*.bin")
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) for every checkpoint tensor, on CPU, in the checkpoint's dtype."""
+    def iter_weights(self, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) for the checkpoint tensors whose name `keep` accepts (all by default), on CPU, in the
+        checkpoint's dtype. safetensors are read lazily, so a head loader skipping the encoder reads only its own."""
         for f in self.weight_files():
             if f.suffix == ".safetensors":
                 from safetensors import safe_open
 
                 with safe_open(str(f), framework="pt", device="cpu") as sf:
                     for name in sf.keys():
-                        yield name, sf.get_tensor(name)
+                        if keep is None or keep(name):
+                            yield name, sf.get_tensor(name)
             else:
                 state = torch.load(str(f), map_location="cpu", weights_only=True)
-                yield from state.items()
+                yield from ((n, t) for n, t in state.items() if keep is None or keep(n))
 
     def load_extra(self, filename: str) -> dict[str, torch.Tensor] | None:
         """A side state dict shipped beside the weights (bge-m3's sparse_linear.pt), or None when absent."""

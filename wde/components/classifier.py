@@ -30,6 +30,7 @@ class BertClassificationHead(nn.Module):
     """BertForSequenceClassification: classifier(tanh(bert.pooler.dense(CLS)))."""
 
     prefixes: ClassVar[tuple[str, ...]] = ("bert.",)
+    tensor_prefixes: ClassVar[tuple[str, ...]] = ("bert.pooler.", "pooler.", "classifier.")
 
     def __init__(self, hidden: int, num_labels: int) -> None:
         super().__init__()
@@ -50,6 +51,7 @@ class RobertaClassificationHead(nn.Module):
     """(XLM-)RobertaForSequenceClassification: classifier.out_proj(tanh(classifier.dense(<s>)))."""
 
     prefixes: ClassVar[tuple[str, ...]] = ()
+    tensor_prefixes: ClassVar[tuple[str, ...]] = ("classifier.",)
 
     def __init__(self, hidden: int, num_labels: int) -> None:
         super().__init__()
@@ -130,7 +132,8 @@ class ClassifierPooler(Component):
             raise ModelLoadError(f"no classification head for model_type {model_type!r}; supported: {sorted(HEADS)}")
         head = head_cls(int(cfg.hidden_size), int(cfg.num_labels))
         try:
-            load_weights(head, ctx.source.iter_weights(), head_cls.prefixes, {})  # type: ignore[arg-type]
+            weights = ctx.source.iter_weights(lambda name: name.startswith(head_cls.tensor_prefixes))
+            load_weights(head, weights, head_cls.prefixes, {})  # type: ignore[arg-type]
         except ModelLoadError as e:
             raise ModelLoadError(f"classification head of {ctx.source.path}: {e}") from None
         return head.to(device=ctx.model.device, dtype=ctx.model.dtype).eval()
