@@ -9,6 +9,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+os.environ.setdefault("WDE_DEVICE", "cpu")  # parity is checked in fp32 on CPU; GPU tests ask for cuda explicitly
+
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():

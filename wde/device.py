@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 
 @functools.cache
 def default_device() -> torch.device:
-    """cuda when a CUDA device is present, else cpu."""
+    """`WDE_DEVICE` when set (e.g. "cpu" to keep a GPU machine's runs on CPU), else cuda when present, else cpu."""
+    forced = os.environ.get("WDE_DEVICE")
+    if forced:
+        return torch.device(forced)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from wde.components.attention.auto import AutoBackend
 from wde.components.attention.torch_sdpa import TorchSDPABackend
 from wde.components.attention.triton_varlen import TritonVarlenBackend
 from wde.components.bge_m3 import BGEM3OutputProcessor, BGEM3Pooler
@@ -28,6 +29,7 @@ BUILTIN_COMPONENTS: tuple[type, ...] = (
     LazyTokenizeRequestProcessor,
     FCFSScheduler,
     PackedInputBuilder,
+    AutoBackend,
     TorchSDPABackend,
     TritonVarlenBackend,
     BertModel,
