@@ -161,7 +161,9 @@ def test_triton_engine_matches_torch_sdpa_engine(tiny_bert: Path, causal: bool |
     outs = {}
     for name in ("torch_sdpa", "triton_varlen"):
         attn = {"name": name, "params": {"causal": causal}}
-        with Engine.from_workflow("bert", tiny_bert, attention=attn, pooler=MEAN, dtype="float32") as engine:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        with Engine.from_workflow("bert", tiny_bert, attention=attn, pooler=MEAN, dtype="float32",
+                                  device=device) as engine:
             assert type(engine.components["attention"]).name == name
             outs[name] = engine.embed(texts, normalize=False)
     assert np.abs(outs["triton_varlen"] - outs["torch_sdpa"]).max() < 1e-4
