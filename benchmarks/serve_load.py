@@ -105,7 +105,7 @@ async def load(url: str, texts: list[str], clients: int) -> LoadResult:
     host, port = url.removeprefix("http://").split(":")
     queue: asyncio.Queue[bytes] = asyncio.Queue()
     for t in texts:
-        queue.put_nowait(json.dumps({"input": t, "model": "bench"}).encode())
+        queue.put_nowait(json.dumps({"input": t, "model": "bench", "truncate": True}).encode())
     latencies: list[float] = []
     failures = 0
 
@@ -156,7 +156,7 @@ def run_one(name: str, target, args: tuple, texts: list[str], clients: int) -> t
     proc.start()
     try:
         wait_healthy(url, proc)
-        sample = httpx.post(f"{url}/v1/embeddings", json={"input": texts[:4]}, timeout=120).json()["data"]
+        sample = httpx.post(f"{url}/v1/embeddings", json={"input": texts[:4], "truncate": True}, timeout=120).json()["data"]
         asyncio.run(load(url, texts[:clients], clients))  # warm-up
         result = asyncio.run(load(url, texts, clients))
         batch = mean_batch_size(url) if name == "wde" else None

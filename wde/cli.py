@@ -147,9 +147,10 @@ def embed(workflow: str | None, model: str | None, input_path: Path, output_path
 @click.option("--max-client-batch-size", default=1024, show_default=True, type=int)
 @click.option("--max-concurrent-requests", default=512, show_default=True, type=int)
 @click.option("--trust-remote-code", is_flag=True, default=False)
+@click.option("--access-log/--no-access-log", default=False, show_default=True, help="log one line per request")
 def serve(workflow: str | None, model: str | None, host: str, port: int, api_key: str | None,
           served_model_name: str | None, overrides: tuple[str, ...], max_client_batch_size: int,
-          max_concurrent_requests: int, trust_remote_code: bool) -> None:
+          max_concurrent_requests: int, trust_remote_code: bool, access_log: bool) -> None:
     """Serve a workflow over HTTP (OpenAI, rerank and TEI-compatible routes)."""
     from wde.server import ServerConfig, run_server
 
@@ -158,7 +159,7 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, api_key
                                 served_model_name=served_model_name, overrides=list(overrides),
                                 max_client_batch_size=max_client_batch_size,
                                 max_concurrent_requests=max_concurrent_requests,
-                                trust_remote_code=trust_remote_code))
+                                trust_remote_code=trust_remote_code, access_log=access_log))
     except (WorkflowError, ModelLoadError, RegistryError) as e:
         raise click.ClickException(str(e)) from None
 

@@ -67,4 +67,5 @@ def run_server(config: ServerConfig) -> None:
     engine = Engine.from_workflow(config.workflow, config.model, overrides=config.overrides,
                                   trust_remote_code=config.trust_remote_code)
     with engine:
-        uvicorn.run(create_app(engine, config), host=config.host, port=config.port, log_level="info")
+        uvicorn.run(create_app(engine, config), host=config.host, port=config.port, log_level="info",
+                    access_log=config.access_log)

@@ -20,3 +20,5 @@ class ServerConfig:
     max_concurrent_requests: int = 512
     """HTTP requests in flight at once; one more is answered 429 at once rather than queued."""
     trust_remote_code: bool = False
+    access_log: bool = False
+    """One log line per request; off by default because formatting it costs more than a small model's batch."""
