@@ -146,7 +146,10 @@ def test_sparse_keys_can_be_token_strings(tmp_path: Path) -> None:
 
 
 def test_unknown_output_and_missing_heads_are_errors(m3_engine: Engine, tiny_xlmr: Path) -> None:
-    with pytest.raises(RequestError, match="choose from"):
+    with pytest.raises(RequestError, match=r"outputs \['splade'\] are not produced.*'dense', 'sparse', 'colbert'"):
         m3_engine.encode(["text"], PoolingParams(outputs=("dense", "splade")))
+    with pytest.raises(RequestError, match="not produced"):
+        m3_engine.add_request("text", PoolingParams(outputs=("splade",)))
+    assert not m3_engine.has_unfinished()
     with pytest.raises(ModelLoadError, match="sparse_linear.pt"):
         Engine.from_workflow("bge_m3", tiny_xlmr)

@@ -89,11 +89,10 @@ class AsyncEngine:
             raise EngineOverloaded(f"the server is overloaded: {self.active_calls} requests in flight,"
                                    f" the limit is {self.max_concurrent_requests}; retry later")
         per_input = [params] * len(inputs) if isinstance(params, PoolingParams) else list(params)
-        processor = self.engine.input_processor
         requests = []
         for i, (x, p) in enumerate(zip(inputs, per_input)):
             try:
-                requests.append(processor.process(f"srv-{next(self._ids)}", x, p))
+                requests.append(self.engine.make_request(x, p, f"srv-{next(self._ids)}"))
             except RequestError as e:
                 where = field if len(inputs) == 1 else f"{field}[{i}]"
                 raise RequestError(f"{where}: {e}", where, e.kind) from None

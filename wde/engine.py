@@ -24,7 +24,7 @@ from wde.components.scheduler import SchedulerOutput
 from wde.errors import ModelLoadError, RequestError
 from wde.model_source import ModelSource
 from wde.registry import get_registry
-from wde.request import PoolingParams, RequestOutput
+from wde.request import PoolingParams, Request, RequestOutput
 from wde.workflow import ResolvedWorkflow, load_workflow, overrides_to_paths
 
 
@@ -99,11 +99,23 @@ class Engine:
                 " pick a matching workflow (wde inspect / docs/workflows.md)")
         return cls(resolved, source)
 
+    def make_request(self, inputs: Any, params: PoolingParams | None = None, request_id: str | None = None) -> Request:
+        """Validate one input and its params at the engine's edge (cheap: no tokenization).
+
+        Raises `RequestError` naming the field, e.g. for an output this workflow does not produce.
+        """
+        if params is not None and params.outputs is not None:
+            unknown = [o for o in params.outputs if o not in self.supported_outputs]
+            if unknown:
+                raise RequestError(f"outputs {unknown} are not produced by workflow {self.workflow.name!r};"
+                                   f" it produces {list(self.supported_outputs)}", "outputs")
+        return self.input_processor.process(request_id or f"req-{next(self._ids)}", inputs, params)
+
     def add_request(self, inputs: Any, params: PoolingParams | None = None, request_id: str | None = None) -> str:
         """Validate one input (no tokenization) and queue it; raise `RequestError` on bad input."""
-        request_id = request_id or f"req-{next(self._ids)}"
-        self.scheduler.add(self.input_processor.process(request_id, inputs, params))
-        return request_id
+        request = self.make_request(inputs, params, request_id)
+        self.scheduler.add(request)
+        return request.request_id
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -152,7 +164,7 @@ class Engine:
         requests = []
         for i, x in enumerate(inputs):
             try:
-                requests.append(self.input_processor.process(f"enc-{next(self._ids)}", x, params))
+                requests.append(self.make_request(x, params))
             except RequestError as e:
                 raise RequestError(f"input[{i}]: {e}", e.field, e.kind) from None
             ids.append(requests[-1].request_id)

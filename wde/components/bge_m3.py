@@ -20,7 +20,7 @@ from wde.components.model_input_builder import ModelInput
 from wde.components.output_processor import EmbeddingOutputProcessor
 from wde.components.pooler import Pooled, finish_embeddings, pool, segment_ids
 from wde.components.scheduler import SchedulerOutput
-from wde.errors import ModelLoadError, RequestError
+from wde.errors import ModelLoadError
 from wde.request import PoolingParams, RequestOutput
 
 M3_OUTPUTS: tuple[str, ...] = ("dense", "sparse", "colbert")
@@ -100,10 +100,8 @@ class BGEM3OutputParams(Params):
 
 
 class BGEM3OutputProcessor(EmbeddingOutputProcessor):
-    """Per request: only the outputs it asked for; sparse weights become a {token: weight} dict.
-
-    A request naming an output bge-m3 does not have fails here, with the list of valid names.
-    """
+    """Per request: only the outputs it asked for (the engine rejects unknown names at submission); sparse
+    weights become a {token: weight} dict."""
 
     name = "bge_m3"
     Params = BGEM3OutputParams
@@ -116,14 +114,7 @@ class BGEM3OutputProcessor(EmbeddingOutputProcessor):
     def process(self, batch: SchedulerOutput, pooled: Pooled, inference_time: float) -> list[RequestOutput]:
         outs = super().process(batch, pooled, inference_time)
         for s, out in zip(batch.scheduled, outs):
-            names = requested(s.request.params)
-            unknown = [n for n in names if n not in M3_OUTPUTS]
-            if unknown:
-                out.outputs = {}
-                out.error = RequestError(
-                    f"outputs {unknown} are not produced by bge-m3; choose from {list(M3_OUTPUTS)}", "outputs")
-                continue
-            out.outputs = {n: out.outputs[n] for n in names}
+            out.outputs = {n: out.outputs[n] for n in requested(s.request.params)}
             if "sparse" in out.outputs:
                 out.outputs["sparse"] = self._lexical_weights(out.outputs["sparse"], s.token_ids)
         return outs
