@@ -12,11 +12,11 @@ from typing import Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from wde.components.base import BuildContext, Component, Params
 from wde.components.model_input_builder import ModelInput
+from wde.components.models.fused import l2_normalize
 from wde.components.output_processor import EmbeddingOutputProcessor
 from wde.components.pooler import Pooled, finish_embeddings, pool, segment_ids
 from wde.components.scheduler import SchedulerOutput
@@ -86,10 +86,10 @@ class BGEM3Pooler(Component):
         vecs = self.colbert_linear(hidden[after_cls]).float()
         norms = [self.params.normalize if p.normalize is None else p.normalize for p in batch.pooling_params]
         if all(norms):
-            vecs = F.normalize(vecs, dim=-1)
+            vecs = l2_normalize(vecs)
         elif any(norms):
             per_token = torch.tensor(norms, device=vecs.device)[segment_ids(batch)[after_cls]][:, None]
-            vecs = torch.where(per_token, F.normalize(vecs, dim=-1), vecs)
+            vecs = torch.where(per_token, l2_normalize(vecs), vecs)
         bounds = [end - i for i, end in enumerate(batch.cu_seqlens.tolist())]
         return vecs, bounds
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from wde.components.base import BuildContext, Component, Params
 from wde.components.model_input_builder import ModelInput
+from wde.components.models.fused import l2_normalize
 from wde.errors import ModelLoadError
 
 PoolingMode = Literal["cls", "mean", "max", "last", "all"]
@@ -71,10 +71,10 @@ def finish_embeddings(x: torch.Tensor, batch: ModelInput, normalize_default: boo
                 if d is not None:
                     x[i, d:] = 0.0
     if all(norms):
-        return F.normalize(x, dim=-1)
+        return l2_normalize(x)
     if any(norms):
         mask = torch.tensor(norms, device=x.device)[:, None]
-        return torch.where(mask, F.normalize(x, dim=-1), x)
+        return torch.where(mask, l2_normalize(x), x)
     return x
 
 
@@ -128,6 +128,6 @@ class SentencePooler(Component):
             norms = [self.normalize if p.normalize is None else p.normalize for p in batch.pooling_params]
             if any(norms):
                 per_token = torch.tensor(norms, device=x.device)[segment_ids(batch)][:, None]
-                x = torch.where(per_token, F.normalize(x, dim=-1), x)
+                x = torch.where(per_token, l2_normalize(x), x)
             return Pooled(ragged={"token_embeddings": (x, batch.cu_seqlens.tolist())})
         return Pooled(rows={"dense": finish_embeddings(pool(hidden, batch, self.mode), batch, self.normalize)})

@@ -13,6 +13,7 @@ from transformers.activations import ACT2FN
 from wde.components.attention.base import AttentionBackend, AttentionMetadata
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.base import PrefillModel
+from wde.components.models.fused import add_layer_norm
 from wde.components.models.loader import fused_linear
 from wde.errors import ModelLoadError
 
@@ -42,7 +43,7 @@ class BertSelfOutput(nn.Module):
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return add_layer_norm(self.dense(x), residual, self.LayerNorm)
 
 
 class BertAttention(nn.Module):

@@ -17,6 +17,7 @@ from wde.components.attention.base import AttentionBackend, AttentionMetadata
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.base import ModelParams, PrefillModel
+from wde.components.models.fused import add_rms_norm
 from wde.components.models.loader import fused_linear
 from wde.errors import ModelLoadError
 
@@ -32,10 +33,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): fused into one kernel on CUDA."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -109,7 +109,8 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """Pre-norm block: h = x + attn(norm(x)), then h + mlp(norm(h)); the residual add and the second norm are one
+    step (one kernel on CUDA)."""
 
     def __init__(self, cfg: object, backend: AttentionBackend, attn_biases: tuple[bool, bool], mlp_bias: bool) -> None:
         super().__init__()
@@ -119,8 +120,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        normed, _ = self.input_layernorm(x)
+        normed, h = self.post_attention_layernorm(self.self_attn(normed, cos, sin, meta), x)
+        return h + self.mlp(normed)
 
 
 def sliding_window(cfg: object) -> int | None:
@@ -187,4 +189,4 @@ class DecoderModel(PrefillModel):
         cos, sin = self.rotary_emb(batch.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, meta)
-        return self.norm(x)
+        return self.norm(x)[0]
