@@ -6,7 +6,6 @@ sets it at the very start of the session when no CUDA device is present.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path

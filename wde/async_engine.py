@@ -11,7 +11,6 @@ import asyncio
 import itertools
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from wde.engine import BatchStats, Engine

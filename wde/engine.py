@@ -12,8 +12,8 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from concurrent.futures import Future
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np

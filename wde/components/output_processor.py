@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from wde.components.base import BuildContext, Component, Params
+from wde.components.base import Component, Params
 from wde.components.pooler import Pooled
 from wde.components.scheduler import SchedulerOutput
 from wde.request import RequestOutput

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from wde.async_engine import AsyncEngine, BatchStats
+from wde.async_engine import AsyncEngine
+from wde.engine import BatchStats
 from wde.request import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
