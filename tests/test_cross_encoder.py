@@ -111,6 +111,22 @@ def test_long_pairs_truncate_document_only(minilm_ce: Path) -> None:
     assert np.abs(got - expected).max() <= TOL
 
 
+def test_pair_truncation_keeps_the_whole_first_text_down_to_one_token_of_the_second(minilm_ce: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(minilm_ce)
+    first, second = "how many people live in berlin", "berlin has about four million inhabitants today"
+    shortest = len(tok(first, add_special_tokens=False)["input_ids"]) + tok.num_special_tokens_to_add(pair=True) + 1
+    with Engine.from_workflow("cross_encoder", minilm_ce, tokenizer={"params": {"max_length": shortest}}) as engine:
+        ids = engine.encode([(first, second)], PoolingParams(truncate=True))[0].prompt_token_ids
+        assert ids == tok(first, second, truncation="only_second", max_length=shortest)["input_ids"]
+    with Engine.from_workflow("cross_encoder", minilm_ce, tokenizer={"params": {"max_length": shortest - 1}}) as engine:
+        with pytest.raises(RequestError, match=f"cannot be truncated to {shortest - 1} tokens.*already takes"
+                                               f" {shortest - 1}"):
+            engine.score([(first, second)], truncate=True)
+        assert engine.score([(first[:10], second)], truncate=True).shape == (1,)
+
+
 def test_cross_encoder_rejects_single_texts_and_bad_top_n(ce_engine: Engine) -> None:
     with pytest.raises(RequestError, match="pairs"):
         ce_engine.score(["just one text"])  # type: ignore[list-item]

@@ -115,3 +115,14 @@ def test_one_bad_request_does_not_lose_the_others(engine: Engine) -> None:
     for row, rid in zip(expected, [ids[0], ids[2], ids[3]]):
         assert outputs[rid].ok
         assert abs(outputs[rid].outputs["dense"] - row).max() <= 1e-5
+
+
+def test_dimensions_larger_than_the_embedding_is_refused_before_any_work(engine: Engine) -> None:
+    width = engine.embed("short text").shape[-1]
+    assert engine.dense_size == width
+    error = rejected(engine, "short text", PoolingParams(dimensions=width + 1))
+    assert error.field == "dimensions" and f"dimensions={width + 1}" in str(error) and f"size {width}" in str(error)
+    with pytest.raises(RequestError, match=r"input\[0\]: dimensions="):
+        engine.embed(["a", "b"], dimensions=width + 1)
+    assert not engine.has_unfinished()
+    assert engine.embed("short text", dimensions=width).shape == (width,)

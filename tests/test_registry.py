@@ -13,8 +13,10 @@ import pluggy
 import pytest
 
 import wde.plugins
+from wde import Engine
 from wde.components.base import Component, Params
-from wde.errors import RegistryError, WorkflowError
+from wde.errors import ModelLoadError, RegistryError, WorkflowError
+from wde.model_source import ModelSource
 from wde.plugins import hookspecs, make_plugin_manager
 from wde.plugins.builtin_components import BUILTIN_COMPONENTS
 from wde.plugins.builtin_workflows import DEFAULT_ARCHITECTURES, workflows_dir
@@ -88,6 +90,22 @@ def test_hook_register_components(tmp_path: Path) -> None:
     assert (resolved.cls, resolved.plugin, resolved.params.scale) == (EchoPooler, "throwaway", 2.0)
     with pytest.raises(WorkflowError, match="unknown pooler component 'echo_test'"):
         load_workflow(wf, registry=registry_with())
+
+
+class WidthlessDensePooler(Component):
+    """Produces 'dense' without saying how wide it is."""
+
+    kind = "pooler"
+    name = "widthless_test"
+    outputs = ("dense",)
+
+
+def test_a_dense_pooler_must_declare_its_width(tmp_path: Path, tiny_bert: Path) -> None:
+    reg = registry_with(("throwaway", plugin_object(register_components=lambda register: register(WidthlessDensePooler))))
+    wf = tmp_path / "wf.yaml"
+    wf.write_text("name: t\nextends: bert\npooler:\n  name: widthless_test\n", encoding="utf-8")
+    with pytest.raises(ModelLoadError, match="pooler 'widthless_test' produces 'dense' but does not declare its width"):
+        Engine(load_workflow(wf, registry=reg), ModelSource.from_model(tiny_bert))
 
 
 def test_hook_register_workflows(tmp_path: Path) -> None:

@@ -60,6 +60,13 @@ class Engine:
         self.max_length: int = ctx.request_processor.max_length
         self.supported_outputs: tuple[str, ...] = tuple(ctx.pooler.outputs)
         """What this workflow produces (e.g. ("dense",), ("score",)); the server routes on it."""
+        self.dense_size: int | None = None
+        """Width of the 'dense' output, so a too-large `dimensions` is refused before any work is done."""
+        if "dense" in self.supported_outputs:
+            self.dense_size = getattr(ctx.pooler, "dense_size", None)
+            if not isinstance(self.dense_size, int):
+                raise ModelLoadError(f"workflow {workflow.name!r}: pooler {workflow.components['pooler'].name!r}"
+                                     " produces 'dense' but does not declare its width as `dense_size`")
         self.on_batch: Callable[[BatchStats], None] | None = None
         """Called (on the thread running `step`) after each finished batch; the server's metrics use it."""
         self._ids = itertools.count()
@@ -109,6 +116,10 @@ class Engine:
             if unknown:
                 raise RequestError(f"outputs {unknown} are not produced by workflow {self.workflow.name!r};"
                                    f" it produces {list(self.supported_outputs)}", "outputs")
+        if params is not None and params.dimensions is not None and self.dense_size is not None \
+                and params.dimensions > self.dense_size:
+            raise RequestError(f"dimensions={params.dimensions} is larger than the model's embedding size"
+                               f" {self.dense_size}", "dimensions")
         return self.input_processor.process(request_id or f"req-{next(self._ids)}", inputs, params)
 
     def add_request(self, inputs: Any, params: PoolingParams | None = None, request_id: str | None = None) -> str:

@@ -63,6 +63,7 @@ class BGEM3Pooler(Component):
     def __init__(self, params: BGEM3PoolerParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
         device, dtype = ctx.model.device, ctx.model.dtype
+        self.dense_size = ctx.model.hidden_size
         self.sparse_linear = _load_linear(ctx, params.sparse_file, device, dtype)
         self.colbert_linear = _load_linear(ctx, params.colbert_file, device, dtype)
         if self.sparse_linear.out_features != 1:

@@ -108,6 +108,7 @@ class SentencePooler(Component):
         else:
             self.normalize = bool(params.normalize)
         self.outputs = ("token_embeddings",) if self.mode == "all" else ("dense",)
+        self.dense_size = None if self.mode == "all" else ctx.model.hidden_size
 
     @staticmethod
     def _st_mode(ctx: BuildContext) -> str:

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from wde.components.base import BuildContext, Component, Params
 from wde.errors import RequestError
-from wde.request import PairPrompt, Request, SchedulableRequest, TextPrompt, TokensPrompt
+from wde.request import PairPrompt, Request, SchedulableRequest, TokensPrompt
 
 
 class LazyTokenizeRequestProcessor(Component):
@@ -59,11 +59,9 @@ class LazyTokenizeRequestProcessor(Component):
         if isinstance(prompt, TokensPrompt):
             kept = ids[:limit] if direction == "right" else ids[-limit:]
             return SchedulableRequest(request, kept, None)
-        assert isinstance(prompt, (TextPrompt, PairPrompt))
-        try:
-            (ids, types), = self._tokenizer.encode([prompt], max_length=limit, direction=direction)
-        except Exception:  # fast tokenizers raise a bare Exception when only_second cannot reach the limit
-            ids, types = [], None
-        if not ids or len(ids) > limit:
-            return RequestError(f"input cannot be truncated to {limit} tokens (the first text alone is longer)", "input", kind="too_long")
+        if isinstance(prompt, PairPrompt) and (shortest := self._tokenizer.min_pair_length(prompt)) > limit:
+            return RequestError(f"input cannot be truncated to {limit} tokens: truncation shortens only the second"
+                                f" text, and the first text with the special tokens already takes {shortest - 1}",
+                                "input", kind="too_long")
+        (ids, types), = self._tokenizer.encode([prompt], max_length=limit, direction=direction)  # type: ignore[list-item]
         return SchedulableRequest(request, ids, types)

@@ -97,6 +97,12 @@ class HFTokenizer(Component):
         out = [(ids, types[i] if types is not None else None) for i, ids in enumerate(enc["input_ids"])]
         return [self._with_eos(ids, t) for ids, t in out] if self.params.add_eos else out
 
+    def min_pair_length(self, prompt: PairPrompt) -> int:
+        """The fewest tokens `prompt` can be truncated to: truncation cuts only the second text and leaves it at
+        least one token, so the first text and the special tokens always stay."""
+        first = len(self._tok(prompt.text, add_special_tokens=False)["input_ids"])
+        return first + self._tok.num_special_tokens_to_add(pair=True) + 1 + int(self.params.add_eos)
+
     def _with_eos(self, ids: list[int], types: list[int] | None) -> Encoded:
         eos = self._tok.eos_token_id
         if ids and ids[-1] == eos:

@@ -38,7 +38,7 @@ async def embeddings(request: Request) -> JSONResponse:
                            outputs=("dense",))
     result = await svc.run(request, embed_items(body.input), params, "input")
     data = [{"object": "embedding", "embedding": encode_vector(v, body.encoding_format), "index": i}
-            for i, v in enumerate(result.dense(body.dimensions))]
+            for i, v in enumerate(result.dense)]
     return _list_response(svc, data, result)
 
 

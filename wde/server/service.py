@@ -42,13 +42,9 @@ class Result:
     def prompt_tokens(self) -> int:
         return sum(o.num_prompt_tokens for o in self.outputs)
 
-    def dense(self, dimensions: int | None) -> list[np.ndarray]:
-        """The dense vectors; `dimensions` above the model's size is the caller's error (422 naming the field)."""
-        vectors = [o.outputs["dense"] for o in self.outputs]
-        if dimensions is not None and vectors[0].shape[-1] < dimensions:
-            raise ApiError("validation", f"dimensions={dimensions} is larger than the model's embedding size"
-                           f" {vectors[0].shape[-1]}", "dimensions")
-        return vectors
+    @property
+    def dense(self) -> list[np.ndarray]:
+        return [o.outputs["dense"] for o in self.outputs]
 
 
 class Service:

@@ -36,7 +36,7 @@ async def embed(request: Request) -> JSONResponse:
                            normalize=body.normalize, prompt_name=body.prompt_name, dimensions=body.dimensions,
                            outputs=("dense",))
     result = await svc.run(request, embed_items(body.inputs), params, "inputs")
-    return JSONResponse([v.astype(np.float32).tolist() for v in result.dense(body.dimensions)], headers=result.headers)
+    return JSONResponse([v.astype(np.float32).tolist() for v in result.dense], headers=result.headers)
 
 
 @router.post("/embed_sparse")

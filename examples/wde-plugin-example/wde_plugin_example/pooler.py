@@ -29,6 +29,7 @@ class MeanMaxPooler(Component):
 
     def __init__(self, params: MeanMaxParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
+        self.dense_size = 2 * ctx.model.hidden_size
 
     def forward(self, hidden: torch.Tensor, batch: ModelInput) -> Pooled:
         mean = pool(hidden, batch, "mean").float()
