@@ -151,6 +151,7 @@ def test_info_models_health_tokenize(url: str, minilm_engine: Engine) -> None:
     ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, 422, "openai", "encoding_format"),
     ("/embed", {"inputs": "x", "truncation_direction": "up"}, 422, "tei", "truncation_direction"),
     ("/v1/embeddings", {"input": "x", "dimensions": 1000}, 422, "openai", "dimensions=1000"),
+    ("/embed", {"inputs": ["x", "y"], "dimensions": 385}, 422, "tei", "embedding size 384"),
     ("/v1/embeddings", {"input": "x", "model": "gpt-4"}, 404, "openai", "'gpt-4' is not served"),
     ("/rerank", {"query": "q", "texts": ["a"]}, 424, "tei", "cross-encoder"),
     ("/rerank", {"query": "q", "documents": ["a"]}, 424, "openai", "cross-encoder"),
