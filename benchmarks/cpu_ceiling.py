@@ -173,7 +173,7 @@ def main() -> None:
         mkl_seconds += 2 * k * n / rates["mkl"]
         best_seconds += 2 * k * n / max(rates.values())
     flops_per_token = layers * 2 * (4 * h * h + 2 * h * inter)
-    best_rate = flops_per_token / layers / best_seconds  # GFLOP/s: rates were in GFLOP/s
+    best_rate = flops_per_token / layers / best_seconds  # one layer's FLOPs over its time at GFLOP/s rates
     library_gain = mkl_seconds / best_seconds
     print(f"linear layers: {flops_per_token / 1e6:.1f} MFLOP/token; fastest library per shape:"
           f" {best_rate:.0f} GFLOP/s" + (f" ({best_rate / peak:.0%} of the FMA peak)" if peak else "")

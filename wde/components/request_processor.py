@@ -63,5 +63,5 @@ class LazyTokenizeRequestProcessor(Component):
             return RequestError(f"input cannot be truncated to {limit} tokens: truncation shortens only the second"
                                 f" text, and the first text with the special tokens already takes {shortest - 1}",
                                 "input", kind="too_long")
-        (ids, types), = self._tokenizer.encode([prompt], max_length=limit, direction=direction)  # type: ignore[list-item]
+        (ids, types), = self._tokenizer.encode([prompt], max_length=limit, direction=direction)
         return SchedulableRequest(request, ids, types)
