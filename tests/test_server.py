@@ -152,6 +152,7 @@ def test_info_models_health_tokenize(url: str, minilm_engine: Engine) -> None:
     ("/embed", {"inputs": "x", "truncation_direction": "up"}, 422, "tei", "truncation_direction"),
     ("/v1/embeddings", {"input": "x", "dimensions": 1000}, 422, "openai", "dimensions=1000"),
     ("/embed", {"inputs": ["x", "y"], "dimensions": 385}, 422, "tei", "embedding size 384"),
+    ("/v1/embeddings", {"input": ["x", "y"], "prompt_name": "nope"}, 422, "openai", "'nope' is not defined"),
     ("/v1/embeddings", {"input": "x", "model": "gpt-4"}, 404, "openai", "'gpt-4' is not served"),
     ("/rerank", {"query": "q", "texts": ["a"]}, 424, "tei", "cross-encoder"),
     ("/rerank", {"query": "q", "documents": ["a"]}, 424, "openai", "cross-encoder"),
@@ -170,6 +171,9 @@ def test_errors_have_status_shape_and_message(url: str, path: str, body: object,
         assert set(err) == {"error", "error_type"} and needle in err["error"]
     else:
         assert set(err["error"]) == {"message", "type", "param", "code"} and needle in err["error"]["message"]
+        for option in ("dimensions", "prompt_name"):  # an option's error names the option, not the input
+            if option in body:
+                assert err["error"]["param"] == option and err["error"]["message"].startswith(option)
 
 
 def test_truncate_accepts_long_inputs(url: str, minilm_engine: Engine) -> None:

@@ -8,6 +8,7 @@ batches whatever has arrived from every connection, runs the model and resolves 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -27,6 +28,8 @@ class EngineOverloaded(Exception):
 class EngineUnavailable(Exception):
     """The engine thread is stopped or died; nothing can be served."""
 
+
+_OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(PoolingParams))
 
 _Resolution = tuple["asyncio.Future[RequestOutput]", RequestOutput | BaseException]
 
@@ -93,6 +96,8 @@ class AsyncEngine:
             try:
                 requests.append(self.engine.make_request(x, p, f"srv-{next(self._ids)}"))
             except RequestError as e:
+                if e.field in _OPTION_FIELDS:
+                    raise  # about an option every input shares (e.g. dimensions): it names that option itself
                 where = field if len(inputs) == 1 else f"{field}[{i}]"
                 raise RequestError(f"{where}: {e}", where, e.kind) from None
         loop = asyncio.get_running_loop()
