@@ -270,8 +270,10 @@ def test_failed_batch_fails_only_its_requests(server: tuple[str, object]) -> Non
 
     engine.input_builder.build = exploding
     try:
-        r = httpx.post(f"{url}/v1/embeddings", json={"input": "explode"})
-        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": "explode"}, headers={"x-request-id": "trace-42"})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 500 and r.headers["x-request-id"] == "trace-42"
+        assert "request id trace-42" in message and "boom" not in message and "RuntimeError" not in message
         assert httpx.post(f"{url}/v1/embeddings", json={"input": "fine"}).status_code == 200
     finally:
         del engine.input_builder.build

@@ -2,20 +2,24 @@
 
 The event loop only validates inputs (cheap), queues them and awaits futures; the engine thread tokenizes,
 batches whatever has arrived from every connection, runs the model and resolves the futures with
-`loop.call_soon_threadsafe`. A batch that fails fails only its own requests; the loop keeps serving.
+`loop.call_soon_threadsafe`. A failing request fails alone (`Engine.step` isolates it). The loop is
+supervised: should `step` itself raise (a bug, an out-of-memory error), every caller waiting at that moment
+gets `EngineRestarted`, the engine's queues are reset and the loop starts again; after `max_restarts` within
+`restart_window_s` it gives up, reports unhealthy and calls `on_fatal` (`wde serve` then exits non-zero so a
+process supervisor can restart it). No caller waits forever: stopping drains the queue, then fails what is left.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import threading
+import time
+from collections import deque
 from typing import Any, Callable, Sequence
 
 from wde.engine import BatchStats, Engine
-from wde.errors import RequestError
 from wde.request import PoolingParams, RequestOutput
 
 log = logging.getLogger("wde.async_engine")
@@ -29,7 +33,13 @@ class EngineUnavailable(Exception):
     """The engine thread is stopped or died; nothing can be served."""
 
 
-_OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(PoolingParams))
+class EngineRestarted(EngineUnavailable):
+    """The engine loop failed while this request was waiting and was restarted; retrying the request is safe."""
+
+
+InputNames = str | Sequence[str | tuple[str, str]]
+"""How errors name the inputs: one field name for all (`input`, then `input[i]` when there are several), or
+one name per input, a pair naming each side (e.g. ``("query", "documents[3]")``)."""
 
 _Resolution = tuple["asyncio.Future[RequestOutput]", RequestOutput | BaseException]
 
@@ -38,9 +48,16 @@ class AsyncEngine:
     """Async front of an `Engine`. `start()` it before use and `stop()` it when done."""
 
     def __init__(self, engine: Engine, max_concurrent_requests: int = 512,
-                 on_batch: Callable[[BatchStats], None] | None = None) -> None:
+                 on_batch: Callable[[BatchStats], None] | None = None, *, max_restarts: int = 5,
+                 restart_window_s: float = 60.0, on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self.max_concurrent_requests = max_concurrent_requests
+        self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
+        self.on_fatal = on_fatal
+        """Called on the engine thread when the loop gives up (too many restarts, or a non-Exception)."""
+        self.num_restarts = 0
+        self._restarts: deque[float] = deque()
         engine.on_batch = on_batch
         self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[RequestOutput]]] = {}
         self._lock = threading.Lock()
@@ -59,10 +76,12 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Finish what is queued (up to `timeout` seconds), stop the loop, and fail whatever is still waiting."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._fail_all(EngineUnavailable("the server is shutting down"))
 
     @property
     def healthy(self) -> bool:
@@ -79,11 +98,13 @@ class AsyncEngine:
         return len(self._pending)
 
     async def encode(self, inputs: Sequence[Any], params: PoolingParams | Sequence[PoolingParams],
-                     field: str = "input") -> list[RequestOutput]:
+                     fields: InputNames = "input", request_id: str | None = None) -> list[RequestOutput]:
         """Run inputs through the engine (batched with everyone else's); outputs come back in input order.
 
-        Raises `RequestError` (naming `field[i]`) for invalid input, `EngineOverloaded` or `EngineUnavailable`;
-        a request whose batch failed comes back with an error of kind "internal". Cancelling the await aborts the requests that have not been scheduled yet.
+        Raises `RequestError` (naming the input, see `InputNames`) for invalid input, `EngineOverloaded` or
+        `EngineUnavailable` (`EngineRestarted` when the loop failed while waiting); a request our code failed on
+        comes back with an error of kind "internal". Engine request ids are `{request_id}-{i}`. Cancelling the
+        await aborts the requests that have not been scheduled yet.
         """
         if not self.healthy:
             raise EngineUnavailable("the engine is not running" + (f": {self.error}" if self.error else ""))
@@ -91,15 +112,10 @@ class AsyncEngine:
             raise EngineOverloaded(f"the server is overloaded: {self.active_calls} requests in flight,"
                                    f" the limit is {self.max_concurrent_requests}; retry later")
         per_input = [params] * len(inputs) if isinstance(params, PoolingParams) else list(params)
-        requests = []
-        for i, (x, p) in enumerate(zip(inputs, per_input)):
-            try:
-                requests.append(self.engine.make_request(x, p, f"srv-{next(self._ids)}"))
-            except RequestError as e:
-                if e.field in _OPTION_FIELDS:
-                    raise  # about an option every input shares (e.g. dimensions): it names that option itself
-                where = field if len(inputs) == 1 else f"{field}[{i}]"
-                raise RequestError(f"{where}: {e}", where, e.kind) from None
+        names = input_names(fields, len(inputs))
+        prefix = request_id or f"srv-{next(self._ids)}"
+        requests = [self.engine.make_request(x, p, f"{prefix}-{i}", names[i])
+                    for i, (x, p) in enumerate(zip(inputs, per_input))]
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in requests]
         self.active_calls += 1
@@ -125,22 +141,56 @@ class AsyncEngine:
                     self._pending.pop(r.request_id, None)
 
     def _run(self) -> None:
-        engine = self.engine
-        try:
-            while not self._stopping:
-                self._wake.clear()
-                outputs = engine.step()
-                if outputs:
-                    self._resolve([(o.request_id, o) for o in outputs])
-                elif not engine.has_unfinished():
-                    self._wake.wait()
-        except BaseException as e:  # noqa: BLE001 - recorded, reported as unhealthy, pending requests failed
-            log.exception("the engine loop died")
-            self.error = e
-            self._fail_all(e)
+        """The supervisor: runs the step loop, and restarts it after a failure (see the module docstring)."""
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception as e:  # noqa: BLE001 - recorded, callers told, loop restarted or given up
+                if not self._restart(e):
+                    return
+            except BaseException as e:  # noqa: BLE001 - e.g. SystemExit from a plugin: never restarted
+                self._give_up(e)
+                return
 
-    def _fail_all(self, error: BaseException) -> None:
-        failure = EngineUnavailable(f"the engine loop died: {type(error).__name__}: {error}")
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stopping or engine.has_unfinished():
+            self._wake.clear()
+            outputs = engine.step()
+            if outputs:
+                self._resolve([(o.request_id, o) for o in outputs])
+            elif not engine.has_unfinished() and not self._stopping:
+                self._wake.wait()
+
+    def _restart(self, error: Exception) -> bool:
+        """Fail every waiting caller, reset the engine's queues; False when the restart budget is spent."""
+        log.error("the engine loop failed (%s: %s); restarting it", type(error).__name__, error, exc_info=error)
+        now = time.monotonic()
+        self._restarts.append(now)
+        while self._restarts and now - self._restarts[0] > self.restart_window_s:
+            self._restarts.popleft()
+        self._fail_all(EngineRestarted("the engine restarted after an internal error while this request was"
+                                       " waiting; retrying it is safe"))
+        self.engine.reset()
+        if len(self._restarts) > self.max_restarts:
+            self._give_up(error)
+            return False
+        self.num_restarts += 1
+        return True
+
+    def _give_up(self, error: BaseException) -> None:
+        log.critical("the engine loop failed %d times in %.0f s (last: %s: %s); giving up", len(self._restarts),
+                     self.restart_window_s, type(error).__name__, error)
+        self.error = error
+        self._fail_all(EngineUnavailable("the engine is not running: it failed repeatedly; see the server log"))
+        if self.on_fatal is not None:
+            try:
+                self.on_fatal(error)
+            except Exception:  # noqa: BLE001 - nothing more can be done from here
+                log.exception("the on_fatal callback failed")
+
+    def _fail_all(self, failure: BaseException) -> None:
         with self._lock:
             ids = list(self._pending)
         self._resolve([(rid, failure) for rid in ids])
@@ -158,6 +208,15 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_set_results, items)
             except RuntimeError:
                 log.warning("dropping %d results: their event loop is closed", len(items))
+
+
+def input_names(fields: InputNames, n: int) -> list[str | tuple[str, str]]:
+    """One name per input: a single field name becomes `field` (one input) or `field[i]`."""
+    if isinstance(fields, str):
+        return [fields] if n == 1 else [f"{fields}[{i}]" for i in range(n)]
+    if len(fields) != n:
+        raise ValueError(f"{len(fields)} input names for {n} inputs")
+    return list(fields)
 
 
 def _set_results(items: list[_Resolution]) -> None:

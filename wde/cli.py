@@ -146,22 +146,36 @@ def embed(workflow: str | None, model: str | None, input_path: Path, output_path
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
 @click.option("--max-client-batch-size", default=1024, show_default=True, type=int)
 @click.option("--max-concurrent-requests", default=512, show_default=True, type=int)
+@click.option("--payload-limit", default=2_000_000, show_default=True, type=click.IntRange(min=1),
+              help="largest request body in bytes; larger ones are answered 413")
 @click.option("--trust-remote-code", is_flag=True, default=False)
 @click.option("--access-log/--no-access-log", default=False, show_default=True, help="log one line per request")
 def serve(workflow: str | None, model: str | None, host: str, port: int, api_key: str | None,
           served_model_name: str | None, overrides: tuple[str, ...], max_client_batch_size: int,
-          max_concurrent_requests: int, trust_remote_code: bool, access_log: bool) -> None:
-    """Serve a workflow over HTTP (OpenAI, rerank and TEI-compatible routes)."""
+          max_concurrent_requests: int, payload_limit: int, trust_remote_code: bool, access_log: bool) -> None:
+    """Serve a workflow over HTTP (OpenAI, rerank and TEI-compatible routes).
+
+    Exits 0 after SIGINT/SIGTERM (requests in flight are finished first), and 3 when the engine loop failed
+    repeatedly, so a process supervisor restarts the server (docs/operations.md).
+    """
     from wde.server import ServerConfig, run_server
+    from wde.server.app import EngineFailed
 
     try:
-        run_server(ServerConfig(workflow=workflow, model=model, host=host, port=port, api_key=api_key,
-                                served_model_name=served_model_name, overrides=list(overrides),
-                                max_client_batch_size=max_client_batch_size,
-                                max_concurrent_requests=max_concurrent_requests,
-                                trust_remote_code=trust_remote_code, access_log=access_log))
+        config = ServerConfig(workflow=workflow, model=model, host=host, port=port, api_key=api_key,
+                              served_model_name=served_model_name, overrides=list(overrides),
+                              max_client_batch_size=max_client_batch_size,
+                              max_concurrent_requests=max_concurrent_requests, payload_limit=payload_limit,
+                              trust_remote_code=trust_remote_code, access_log=access_log)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--api-key" if "api_key" in str(e) else None) from None
+    try:
+        run_server(config)
     except (WorkflowError, ModelLoadError, RegistryError) as e:
         raise click.ClickException(str(e)) from None
+    except EngineFailed as e:
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

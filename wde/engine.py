@@ -10,6 +10,7 @@ with preparing the next batch.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -21,11 +22,14 @@ import numpy as np
 from wde.components.base import COMPONENT_KINDS, BuildContext
 from wde.components.pooler import Pooled
 from wde.components.scheduler import SchedulerOutput
-from wde.errors import ModelLoadError, RequestError
+from wde.errors import ModelLoadError, RequestError, internal_error
 from wde.model_source import ModelSource
 from wde.registry import get_registry
 from wde.request import PoolingParams, Request, RequestOutput
 from wde.workflow import ResolvedWorkflow, load_workflow, overrides_to_paths
+
+
+log = logging.getLogger("wde.engine")
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ class Engine:
         """Called (on the thread running `step`) after each finished batch; the server's metrics use it."""
         self._ids = itertools.count()
         self._inflight: deque[tuple[SchedulerOutput, Future[tuple[Pooled, float]]]] = deque()
+        self._retry: deque[SchedulerOutput] = deque()
+        """Halves of failed batches, run before anything new until the culprit is alone (see `_failed`)."""
 
     @classmethod
     def from_workflow(
@@ -106,10 +112,12 @@ class Engine:
                 " pick a matching workflow (wde inspect / docs/workflows.md)")
         return cls(resolved, source)
 
-    def make_request(self, inputs: Any, params: PoolingParams | None = None, request_id: str | None = None) -> Request:
+    def make_request(self, inputs: Any, params: PoolingParams | None = None, request_id: str | None = None,
+                     field: str | tuple[str, str] = "input") -> Request:
         """Validate one input and its params at the engine's edge (cheap: no tokenization).
 
-        Raises `RequestError` naming the field, e.g. for an output this workflow does not produce.
+        Raises `RequestError` naming the field, e.g. for an output this workflow does not produce. `field` is
+        how errors name the input (a pair may name each side: ``("query", "documents[3]")``).
         """
         if params is not None and params.outputs is not None:
             unknown = [o for o in params.outputs if o not in self.supported_outputs]
@@ -120,7 +128,7 @@ class Engine:
                 and params.dimensions > self.dense_size:
             raise RequestError(f"dimensions={params.dimensions} is larger than the model's embedding size"
                                f" {self.dense_size}", "dimensions")
-        return self.input_processor.process(request_id or f"req-{next(self._ids)}", inputs, params)
+        return self.input_processor.process(request_id or f"req-{next(self._ids)}", inputs, params, field=field)
 
     def add_request(self, inputs: Any, params: PoolingParams | None = None, request_id: str | None = None) -> str:
         """Validate one input (no tokenization) and queue it; raise `RequestError` on bad input."""
@@ -132,37 +140,68 @@ class Engine:
         self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._inflight)
+        return self.scheduler.has_unfinished() or bool(self._inflight) or bool(self._retry)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and submit batches up to the executor's in-flight limit; finish the oldest one."""
+        """Schedule and submit batches up to the executor's in-flight limit; finish the oldest one.
+
+        A request's failure costs only that request: the scheduler rejects bad inputs one by one, and a batch
+        that fails anywhere from packing to output conversion is split and retried until the culprit runs alone.
+        """
         finished: list[RequestOutput] = []
         while len(self._inflight) < self.executor.max_inflight:
-            batch = self.scheduler.schedule()
-            finished.extend(batch.rejected)
+            if self._retry:
+                batch = self._retry.popleft()
+            else:
+                batch = self.scheduler.schedule()
+                finished.extend(batch.rejected)
             if not batch.scheduled:
                 break
             try:
                 self._inflight.append((batch, self.executor.submit(self.input_builder.build(batch))))
-            except Exception as e:  # noqa: BLE001 - one failed batch fails its own requests, not the engine
-                finished.extend(self._failed(batch, e))
+            except Exception as e:  # noqa: BLE001 - isolated by `_failed`
+                finished.extend(self._failed(batch, e, "model input builder"))
         if self._inflight:
             batch, future = self._inflight.popleft()
             try:
                 pooled, seconds = future.result()
                 outputs = self.output_processor.process(batch, pooled, seconds)
-            except Exception as e:  # noqa: BLE001 - one failed batch fails its own requests, not the engine
-                finished.extend(self._failed(batch, e))
+            except Exception as e:  # noqa: BLE001 - isolated by `_failed`
+                finished.extend(self._failed(batch, e, "model or output processor"))
             else:
                 finished.extend(outputs)
-                if self.on_batch is not None:
-                    self.on_batch(BatchStats(len(batch.scheduled), batch.num_tokens, seconds))
+                self._report(BatchStats(len(batch.scheduled), batch.num_tokens, seconds))
         return finished
 
-    @staticmethod
-    def _failed(batch: SchedulerOutput, error: Exception) -> list[RequestOutput]:
-        failure = RequestError(f"inference failed: {type(error).__name__}: {error}", kind="internal")
-        return [RequestOutput(s.request.request_id, error=failure) for s in batch.scheduled]
+    def _report(self, stats: BatchStats) -> None:
+        if self.on_batch is None:
+            return
+        try:
+            self.on_batch(stats)
+        except Exception:  # noqa: BLE001 - a metrics callback must never cost a request or the loop
+            log.exception("the on_batch callback failed; the batch's results are delivered anyway")
+
+    def _failed(self, batch: SchedulerOutput, error: Exception, where: str) -> list[RequestOutput]:
+        """Split a failed batch in two and queue both halves for retry; a request that fails alone has failed."""
+        if len(batch.scheduled) > 1:
+            half = len(batch.scheduled) // 2
+            log.warning("a batch of %d requests failed in %s (%s: %s); retrying it in halves to isolate the cause",
+                        len(batch.scheduled), where, type(error).__name__, error)
+            self._retry.extendleft([SchedulerOutput(batch.scheduled[half:]), SchedulerOutput(batch.scheduled[:half])])
+            return []
+        rid = batch.scheduled[0].request.request_id
+        return [RequestOutput(rid, error=internal_error(rid, error, where))]
+
+    def reset(self) -> list[str]:
+        """Forget every queued, retried and in-flight request (after the step loop itself failed); their ids."""
+        ids = self.scheduler.clear() if hasattr(self.scheduler, "clear") else []
+        for batch in self._retry:
+            ids.extend(s.request.request_id for s in batch.scheduled)
+        for batch, _ in self._inflight:
+            ids.extend(s.request.request_id for s in batch.scheduled)
+        self._retry.clear()
+        self._inflight.clear()
+        return ids
 
     def encode(self, inputs: Sequence[Any], params: PoolingParams | None = None, *, progress: bool = False,
                raise_on_error: bool = True) -> list[RequestOutput]:
@@ -195,7 +234,7 @@ class Engine:
                 if bar is not None:
                     bar.update(len(outs))
                 if not outs and not self.has_unfinished():
-                    break
+                    break  # pragma: no cover - every request yields an output; guards against a plugin losing one
         finally:
             if bar is not None:
                 bar.close()

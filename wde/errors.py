@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import logging
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -64,9 +65,25 @@ class ModelLoadError(ValueError):
 
 
 class RequestError(ValueError):
-    """A request was rejected: the message names the field and the limit."""
+    """A request was rejected: the message names the field and the limit.
+
+    `kind` says whose fault and how the server answers: "validation" (422), "empty" (400), "encoding" (400: the
+    text is not valid Unicode), "too_long" (422), or "internal" (500: ours, not the input's; the message then
+    carries no internals, only the request id, and the log has the traceback).
+    """
 
     def __init__(self, message: str, field: str | None = None, kind: str = "validation"):
         self.field = field
         self.kind = kind
         super().__init__(message)
+
+
+def internal_error(request_id: str, error: BaseException, where: str) -> RequestError:
+    """The error a request gets when our code failed on it: logged here with its traceback, while the message
+    the caller sees names only the request, never the internals."""
+    logging.getLogger("wde").error("request %s failed in %s: %s: %s", request_id, where, type(error).__name__, error,
+                                   exc_info=error)
+    failure = RequestError(f"internal error while serving request {request_id} ({where}); the server log has the"
+                           " details", kind="internal")
+    failure.__cause__ = error
+    return failure

@@ -5,6 +5,7 @@ No tokenization happens here (seed 000): a burst of submissions must not block o
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal, Mapping
 
@@ -13,6 +14,12 @@ from pydantic import Field
 from wde.components.base import BuildContext, Component, Params
 from wde.errors import RequestError
 from wde.request import PairPrompt, PoolingParams, Prompt, Request, TextPrompt, TokensPrompt
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A lone UTF-16 surrogate: JSON's "\\ud800" escape (or raw CESU bytes) decodes to one, and no tokenizer takes it."""
+
+InputName = str | tuple[str, str]
+"""How errors name an input: one name, or for a (text, text_pair) pair a name for each side (e.g. query, documents[3])."""
 
 
 class TextInputParams(Params):
@@ -42,13 +49,17 @@ class TextInputProcessor(Component):
             raise ValueError(f"input_processor.params.default_prompt_name {self.default_prompt_name!r} is not one of the prompts {sorted(self.prompts)}")
         self._vocab_size = ctx.tokenizer.vocab_size
 
-    def _text(self, value: Any, field: str) -> str:
+    def check_text(self, value: Any, field: str) -> str:
+        """`value` if it is a usable text; else a `RequestError` naming `field` (type, empty, length, Unicode)."""
         if not isinstance(value, str):
             raise RequestError(f"{field} must be a string, got {type(value).__name__}", field)
         if not value.strip():
-            raise RequestError(f"{field} is empty (after stripping whitespace); send non-empty text", field)
+            raise RequestError(f"{field} is empty (after stripping whitespace); send non-empty text", field, kind="empty")
         if len(value) > self.params.max_input_chars:
             raise RequestError(f"{field} has {len(value)} characters; the limit is {self.params.max_input_chars}", field)
+        if not value.isascii() and (bad := _SURROGATE.search(value)) is not None:
+            raise RequestError(f"{field} is not valid Unicode: character {bad.start()} is a lone surrogate"
+                               f" (U+{ord(bad.group()):04X})", field, kind="encoding")
         return value
 
     def _prompt_prefix(self, params: PoolingParams) -> str:
@@ -61,8 +72,14 @@ class TextInputProcessor(Component):
             raise RequestError(f"prompt_name {name!r} is not defined; defined prompts: {sorted(self.prompts) or 'none'}", "prompt_name")
         return self.prompts[name]
 
-    def to_prompt(self, inputs: Any, params: PoolingParams, field: str = "input") -> Prompt:
-        """Validate one input and return its prompt; raise `RequestError` naming the field on bad input."""
+    def to_prompt(self, inputs: Any, params: PoolingParams, field: InputName = "input") -> Prompt:
+        """Validate one input and return its prompt; raise `RequestError` naming the field on bad input.
+
+        `field` names the input in errors; a pair's sides are `field[0]` and `field[1]` unless `field` names
+        them itself (a tuple); errors about the pair as a whole then name its second side.
+        """
+        sides = field if isinstance(field, tuple) else (f"{field}[0]", f"{field}[1]")
+        field = field[1] if isinstance(field, tuple) else field
         if isinstance(inputs, Mapping):
             if "token_ids" in inputs:
                 return self._tokens(inputs["token_ids"], f"{field}.token_ids")
@@ -75,23 +92,24 @@ class TextInputProcessor(Component):
         if isinstance(inputs, (tuple, list)) and len(inputs) == 2 and all(isinstance(x, str) for x in inputs):
             if self.params.pairs == "forbid":
                 raise RequestError(f"{field}: this model embeds single texts, not (text, text_pair) pairs", field)
-            return PairPrompt(self._prompt_prefix(params) + self._text(inputs[0], f"{field}[0]"), self._text(inputs[1], f"{field}[1]"))
+            return PairPrompt(self._prompt_prefix(params) + self.check_text(inputs[0], sides[0]), self.check_text(inputs[1], sides[1]))
         if isinstance(inputs, (tuple, list)) and inputs and all(isinstance(x, int) and not isinstance(x, bool) for x in inputs):
             return self._tokens(inputs, field)
-        text = self._text(inputs, field)
+        text = self.check_text(inputs, field)
         if self.params.pairs == "require":
             raise RequestError(f"{field}: this model scores (text, text_pair) pairs; a single text was given", field)
         return TextPrompt(self._prompt_prefix(params) + text)
 
     def _tokens(self, ids: Any, field: str) -> TokensPrompt:
         if not isinstance(ids, (list, tuple)) or not ids:
-            raise RequestError(f"{field} must be a non-empty list of token ids", field)
+            raise RequestError(f"{field} must be a non-empty list of token ids", field,
+                               kind="empty" if isinstance(ids, (list, tuple)) else "validation")
         for i in ids:
             if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self._vocab_size:
                 raise RequestError(f"{field} contains {i!r}; token ids must be integers in [0, {self._vocab_size})", field)
         return TokensPrompt(tuple(ids))
 
     def process(self, request_id: str, inputs: Any, params: PoolingParams | None = None,
-                arrival_time: float | None = None) -> Request:
+                arrival_time: float | None = None, field: InputName = "input") -> Request:
         params = params or PoolingParams()
-        return Request(request_id, self.to_prompt(inputs, params), params, arrival_time or time.perf_counter())
+        return Request(request_id, self.to_prompt(inputs, params, field), params, arrival_time or time.perf_counter())

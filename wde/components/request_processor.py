@@ -2,6 +2,7 @@
 
 Tokenizing at schedule time keeps admission cheap and lets one fast batched tokenizer call serve a whole
 batch. Length limits are enforced here: an input over the limit is truncated only if the request asked.
+A request the tokenizer fails on fails alone: the others of its call are tokenized again one by one.
 """
 
 from __future__ import annotations
@@ -9,9 +10,20 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+from pydantic import Field
+
 from wde.components.base import BuildContext, Component, Params
-from wde.errors import RequestError
-from wde.request import PairPrompt, Request, SchedulableRequest, TokensPrompt
+from wde.errors import RequestError, internal_error
+from wde.request import PairPrompt, Request, SchedulableRequest, TextPrompt, TokensPrompt
+
+Result = SchedulableRequest | RequestError
+
+
+class LazyTokenizeParams(Params):
+    background_chars: int = Field(
+        16384, ge=0,
+        description="requests with more characters than this are tokenized on a background thread, so a huge"
+                    " input never stalls the batches of others; 0 tokenizes every request inline")
 
 
 class LazyTokenizeRequestProcessor(Component):
@@ -19,32 +31,55 @@ class LazyTokenizeRequestProcessor(Component):
 
     kind = "request_processor"
     name = "lazy_tokenize"
-    Params = Params
+    Params = LazyTokenizeParams
 
-    def __init__(self, params: Params, ctx: BuildContext) -> None:
+    def __init__(self, params: LazyTokenizeParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
         self._tokenizer = ctx.tokenizer
         self.max_length: int = ctx.tokenizer.max_length
 
-    def process(self, requests: Sequence[Request], token_budget: int) -> list[SchedulableRequest | RequestError]:
-        """One result per request, in order: a tokenized request, or the error that rejects it."""
+    def is_large(self, request: Request) -> bool:
+        """Whether `request` should be tokenized off the scheduling thread (see `background_chars`)."""
+        if not self.params.background_chars or isinstance(request.prompt, TokensPrompt):
+            return False
+        prompt = request.prompt
+        chars = len(prompt.text) + (len(prompt.text_pair) if isinstance(prompt, PairPrompt) else 0)
+        return chars > self.params.background_chars
+
+    def process(self, requests: Sequence[Request], token_budget: int) -> list[Result]:
+        """One result per request, in order: a tokenized request, or the error that rejects it. Never raises."""
         t0 = time.perf_counter()
         limit = min(self.max_length, token_budget)
-        results: list[SchedulableRequest | RequestError | None] = [None] * len(requests)
+        results: list[Result | None] = [None] * len(requests)
         groups: dict[type, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(type(r.prompt), []).append(i)
         for prompt_type, idx in groups.items():
             if prompt_type is TokensPrompt:
-                encoded = [(list(requests[i].prompt.token_ids), None) for i in idx]  # type: ignore[union-attr]
+                encoded: list = [(list(requests[i].prompt.token_ids), None) for i in idx]  # type: ignore[union-attr]
             else:
-                encoded = self._tokenizer.encode([requests[i].prompt for i in idx])  # type: ignore[misc]
-            for i, (ids, types) in zip(idx, encoded):
-                results[i] = self._check_length(requests[i], ids, types, limit)
+                encoded = self._encode([requests[i] for i in idx])
+            for i, enc in zip(idx, encoded):
+                if isinstance(enc, RequestError):
+                    results[i] = enc
+                    continue
+                try:
+                    results[i] = self._check_length(requests[i], enc[0], enc[1], limit)
+                except Exception as e:  # noqa: BLE001 - the truncating re-encode failed: this request alone fails
+                    results[i] = internal_error(requests[i].request_id, e, "tokenizer")
         dt = (time.perf_counter() - t0) / max(len(requests), 1)
         for r in requests:
             r.tokenization_time = dt
         return results  # type: ignore[return-value]
+
+    def _encode(self, requests: Sequence[Request]) -> list:
+        """One batched tokenizer call; if it raises, each request alone, so only the culprit fails."""
+        try:
+            return self._tokenizer.encode([r.prompt for r in requests])  # type: ignore[misc]
+        except Exception as e:  # noqa: BLE001 - isolated below
+            if len(requests) == 1:
+                return [internal_error(requests[0].request_id, e, "tokenizer")]
+        return [enc for r in requests for enc in self._encode([r])]
 
     def _check_length(self, request: Request, ids: list[int], types: list[int] | None,
                       limit: int) -> SchedulableRequest | RequestError:
@@ -62,6 +97,7 @@ class LazyTokenizeRequestProcessor(Component):
         if isinstance(prompt, PairPrompt) and (shortest := self._tokenizer.min_pair_length(prompt)) > limit:
             return RequestError(f"input cannot be truncated to {limit} tokens: truncation shortens only the second"
                                 f" text, and the first text with the special tokens already takes {shortest - 1}",
-                                "input", kind="too_long")
+                                "input[0]", kind="too_long")
+        assert isinstance(prompt, (TextPrompt, PairPrompt))
         (ids, types), = self._tokenizer.encode([prompt], max_length=limit, direction=direction)
         return SchedulableRequest(request, ids, types)

@@ -1,7 +1,9 @@
 """Schedulers: decide which waiting requests form the next batch. Plain Python: no tensors.
 
 Prefill-only requests are independent (no KV cache, no preemption), so first-come-first-served under a
-token budget and a request cap is enough, and scheduling can run ahead of the device.
+token budget and a request cap is enough, and scheduling can run ahead of the device. A request the request
+processor calls large (a huge text) is tokenized on a background thread and joins the ready queue when done,
+so it never holds up the requests behind it.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -22,6 +25,8 @@ from wde.request import Request, RequestOutput, SchedulableRequest
 GPU_TOKEN_BUDGET = 16384
 CPU_TOKEN_BUDGET = 2048
 """On CPU, batches past a few thousand tokens spill the caches and run slower per token (docs/benchmarks.md)."""
+BACKGROUND_POLL_S = 0.005
+"""How long an otherwise idle `schedule()` waits for a background tokenization before returning empty."""
 
 
 class FCFSParams(Params):
@@ -53,6 +58,7 @@ class FCFSScheduler(Component):
     def __init__(self, params: FCFSParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
         self._request_processor = ctx.request_processor
+        self._is_large = getattr(ctx.request_processor, "is_large", lambda request: False)
         budget = params.max_num_batched_tokens
         if budget == "auto":
             default = GPU_TOKEN_BUDGET if default_device().type == "cuda" else CPU_TOKEN_BUDGET
@@ -63,6 +69,8 @@ class FCFSScheduler(Component):
         self._aborted: set[str] = set()
         self._queued: set[str] = set()
         self._lock = threading.Lock()
+        self._tokenizing: list[tuple[Request, Future]] = []
+        self._background: ThreadPoolExecutor | None = None
 
     def add(self, request: Request) -> None:
         with self._lock:
@@ -86,10 +94,22 @@ class FCFSScheduler(Component):
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting) + len(self._ready)
+        return len(self._waiting) + len(self._ready) + len(self._tokenizing)
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._ready)
+        return bool(self._waiting or self._ready or self._tokenizing)
+
+    def clear(self) -> list[str]:
+        """Drop every queued request (the engine resets after an internal failure); returns their ids."""
+        with self._lock:
+            ids = [r.request_id for r in self._waiting] + [s.request.request_id for s in self._ready]
+            ids += [r.request_id for r, _ in self._tokenizing]
+            self._waiting.clear()
+            self._ready.clear()
+            self._tokenizing.clear()
+            self._queued.clear()
+            self._aborted.clear()
+        return ids
 
     def _take_waiting(self, n: int) -> list[Request]:
         with self._lock:
@@ -103,21 +123,50 @@ class FCFSScheduler(Component):
                 taken.append(r)
             return taken
 
+    def _accept(self, requests: list[Request], results: list, out: SchedulerOutput) -> None:
+        for req, res in zip(requests, results):
+            if isinstance(res, SchedulableRequest):
+                self._ready.append(res)
+            elif not self._dequeued(req.request_id):
+                out.rejected.append(RequestOutput(req.request_id, error=res, tokenization_time=req.tokenization_time))
+
+    def _tokenize_in_background(self, request: Request) -> None:
+        if self._background is None:
+            self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wde-tokenize")
+        self._tokenizing.append((request, self._background.submit(
+            self._request_processor.process, [request], self.token_budget)))
+
+    def _collect_background(self, out: SchedulerOutput, wait_s: float) -> None:
+        """Move finished background tokenizations to the ready queue (waiting up to `wait_s` for one)."""
+        if wait_s > 0:
+            wait([f for _, f in self._tokenizing], timeout=wait_s, return_when=FIRST_COMPLETED)
+        still = []
+        for req, fut in self._tokenizing:
+            if fut.done():
+                self._accept([req], fut.result(), out)  # process() never raises
+            else:
+                still.append((req, fut))
+        self._tokenizing = still
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget, cap = self.token_budget, self.params.max_num_requests
         tokens = 0
         now = time.perf_counter()
+        if self._tokenizing:
+            self._collect_background(out, 0)
         while len(out.scheduled) < cap:
             if not self._ready:
                 chunk = self._take_waiting(cap - len(out.scheduled))
                 if not chunk:
                     break
-                for req, res in zip(chunk, self._request_processor.process(chunk, budget)):
-                    if isinstance(res, SchedulableRequest):
-                        self._ready.append(res)
-                    elif not self._dequeued(req.request_id):
-                        out.rejected.append(RequestOutput(req.request_id, error=res, tokenization_time=req.tokenization_time))
+                inline = []
+                for req in chunk:
+                    if self._is_large(req):
+                        self._tokenize_in_background(req)
+                    else:
+                        inline.append(req)
+                self._accept(inline, self._request_processor.process(inline, budget), out)
                 continue
             head = self._ready[0]
             if tokens + head.num_tokens > budget:
@@ -128,4 +177,6 @@ class FCFSScheduler(Component):
             head.request.scheduled_time = now
             out.scheduled.append(head)
             tokens += head.num_tokens
+        if not out.scheduled and not out.rejected and self._tokenizing and not self._waiting:
+            self._collect_background(out, BACKGROUND_POLL_S)  # nothing else to do: wait briefly, do not spin
         return out

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+import copy
+import threading
+import time
+from typing import Any, Literal, Sequence
 
 from pydantic import Field
 
@@ -25,6 +28,10 @@ class HFTokenizer(Component):
 
     The max length is the smallest of: the `max_length` param, sentence-transformers' `max_seq_length`, the
     tokenizer's `model_max_length` and the model's position table, so no input can overrun the positions.
+
+    Thread-safe: a fast tokenizer changes its truncation state on calls that truncate, and two threads in one
+    Rust tokenizer at once fail ("Already borrowed"), so each thread that encodes (the engine loop, the
+    background tokenizer, the /tokenize route) uses its own copy, made on its first call.
     """
 
     kind = "tokenizer"
@@ -56,6 +63,21 @@ class HFTokenizer(Component):
         if params.add_eos and self._tok.eos_token_id is None:
             raise ModelLoadError(f"tokenizer.params.add_eos is set but the tokenizer in {ctx.source.path} has no EOS token")
         self._returns_types = "token_type_ids" in self._tok.model_input_names and getattr(cfg, "type_vocab_size", 0) > 1
+        self._local = threading.local()
+        self._copy_lock = threading.Lock()
+        self._original_taken = False
+
+    def _hf(self) -> Any:
+        """This thread's tokenizer: the loaded one for the first thread that asks, a copy for each other."""
+        tok = getattr(self._local, "tok", None)
+        if tok is None:
+            with self._copy_lock:
+                if not self._original_taken:
+                    self._original_taken, tok = True, self._tok
+                else:
+                    tok = _copy_tokenizer(self._tok)
+            self._local.tok = tok
+        return tok
 
     @staticmethod
     def position_offset(cfg: object) -> int:
@@ -66,8 +88,8 @@ class HFTokenizer(Component):
 
     @property
     def hf_tokenizer(self):  # noqa: ANN201 - a transformers PreTrainedTokenizerFast
-        """The underlying Hugging Face tokenizer (the server's /tokenize needs its offsets)."""
-        return self._tok
+        """The calling thread's Hugging Face tokenizer (the server's /tokenize needs its offsets)."""
+        return self._hf()
 
     @property
     def vocab_size(self) -> int:
@@ -91,8 +113,9 @@ class HFTokenizer(Component):
         if max_length is not None:
             room = max_length - 1 if self.params.add_eos else max_length
             kwargs.update(truncation="only_second" if pairs else True, max_length=room)
-        self._tok.truncation_side = direction
-        enc = self._tok(texts, pairs, **kwargs) if pairs else self._tok(texts, **kwargs)
+        tok = self._hf()
+        tok.truncation_side = direction
+        enc = tok(texts, pairs, **kwargs) if pairs else tok(texts, **kwargs)
         types = enc.get("token_type_ids") if self._returns_types else None
         out = [(ids, types[i] if types is not None else None) for i, ids in enumerate(enc["input_ids"])]
         return [self._with_eos(ids, t) for ids, t in out] if self.params.add_eos else out
@@ -100,7 +123,7 @@ class HFTokenizer(Component):
     def min_pair_length(self, prompt: PairPrompt) -> int:
         """The fewest tokens `prompt` can be truncated to: truncation cuts only the second text and leaves it at
         least one token, so the first text and the special tokens always stay."""
-        first = len(self._tok(prompt.text, add_special_tokens=False)["input_ids"])
+        first = len(self._hf()(prompt.text, add_special_tokens=False)["input_ids"])
         return first + self._tok.num_special_tokens_to_add(pair=True) + 1 + int(self.params.add_eos)
 
     def _with_eos(self, ids: list[int], types: list[int] | None) -> Encoded:
@@ -123,3 +146,14 @@ class HFTokenizer(Component):
         """Ids of the special tokens with these roles ('cls_token', 'unk_token', ...) the tokenizer defines."""
         named = self._tok.special_tokens_map
         return {self._tok.convert_tokens_to_ids(named[r]) for r in roles if isinstance(named.get(r), str)}
+
+
+def _copy_tokenizer(tok: Any) -> Any:
+    """A deep copy; copying reads the Rust tokenizer, which fails while its owner is mid-way through changing
+    its truncation settings, so try again a moment later."""
+    for attempt in range(50):
+        try:
+            return copy.deepcopy(tok)
+        except RuntimeError:
+            time.sleep(0.001 * (attempt + 1))
+    return copy.deepcopy(tok)

@@ -8,15 +8,16 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 import wde
 from wde.async_engine import AsyncEngine
 from wde.engine import Engine
 from wde.server import openai_routes, rerank_routes, score_routes, tei_routes
 from wde.server.config import ServerConfig
-from wde.server.errors import ApiError, api_error_handler
+from wde.server.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
 from wde.server.metrics import ServerMetrics
-from wde.server.middleware import ApiKeyMiddleware, MetricsMiddleware
+from wde.server.middleware import ApiKeyMiddleware, MetricsMiddleware, PayloadLimitMiddleware, RequestIdMiddleware
 from wde.server.service import ClientDisconnected, Service
 
 _ROUTERS = (openai_routes.router, score_routes.router, rerank_routes.router, tei_routes.router)
@@ -53,19 +54,43 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(ClientDisconnected, _client_gone)
+    app.add_exception_handler(HTTPException, http_error_handler)
+    app.add_exception_handler(Exception, internal_error_handler)
+    # Added innermost first: a request passes the id, metrics, key and size checks in that order.
+    app.add_middleware(PayloadLimitMiddleware, limit=config.payload_limit)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     routes = frozenset(r.path for router in _ROUTERS for r in router.routes) | {"/metrics"}
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=routes)
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
+class EngineFailed(RuntimeError):
+    """The engine loop gave up after repeated failures; `wde serve` exits non-zero so a supervisor restarts it."""
+
+
 def run_server(config: ServerConfig) -> None:
-    """Build the engine, serve until interrupted, then release the engine."""
+    """Build the engine and serve until SIGINT/SIGTERM (finishing requests in flight), then release the engine.
+
+    Raises `EngineFailed` after a shutdown caused by the engine loop giving up (see `AsyncEngine`).
+    """
     import uvicorn
 
     engine = Engine.from_workflow(config.workflow, config.model, overrides=config.overrides,
                                   trust_remote_code=config.trust_remote_code)
     with engine:
-        uvicorn.run(create_app(engine, config), host=config.host, port=config.port, log_level="info",
-                    access_log=config.access_log)
+        app = create_app(engine, config)
+        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                               access_log=config.access_log))
+        fatal: list[BaseException] = []
+
+        def on_fatal(error: BaseException) -> None:
+            fatal.append(error)
+            server.should_exit = True
+
+        app.state.service.engine.on_fatal = on_fatal
+        server.run()
+    if fatal:
+        raise EngineFailed(f"the engine loop failed repeatedly and the server shut down: {type(fatal[0]).__name__}:"
+                           f" {fatal[0]}")

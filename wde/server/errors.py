@@ -12,14 +12,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 ErrorKind = Literal["empty", "validation", "too_long", "not_found", "unauthorized", "unsupported", "overloaded",
-                    "backend", "unhealthy", "bad_json"]
+                    "backend", "unhealthy", "bad_json", "bad_text", "too_large", "not_allowed"]
 Style = Literal["openai", "tei"]
 
 STATUS: dict[str, int] = {
     "empty": 400,
     "bad_json": 400,
+    "bad_text": 400,
     "unauthorized": 401,
     "not_found": 404,
+    "not_allowed": 405,
+    "too_large": 413,
     "validation": 422,
     "too_long": 422,
     "unsupported": 424,
@@ -39,6 +42,9 @@ _OPENAI_TYPE: dict[str, str] = {
 _TEI_TYPE: dict[str, str] = {
     "empty": "empty",
     "bad_json": "validation",
+    "bad_text": "validation",
+    "too_large": "validation",
+    "not_allowed": "validation",
     "validation": "validation",
     "too_long": "validation",
     "unsupported": "backend",
@@ -88,3 +94,28 @@ def error_response(error: ApiError, style: Style) -> JSONResponse:
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
     return error_response(exc, error_style(request))
+
+
+def request_id(request: Request) -> str:
+    """The id `RequestIdMiddleware` gave this request (also sent back as the x-request-id header)."""
+    return getattr(request.state, "request_id", None) or "-"
+
+
+async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method) in our JSON shapes."""
+    status = getattr(exc, "status_code", 500)
+    kind: ErrorKind = {404: "not_found", 405: "not_allowed"}.get(status, "validation")  # type: ignore[assignment]
+    detail = getattr(exc, "detail", None) or "error"
+    message = f"{request.method} {request.url.path}: {str(detail).lower()}"
+    response = error_response(ApiError(kind, message), error_style(request))
+    response.headers.update(getattr(exc, "headers", None) or {})
+    return response
+
+
+async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """Anything unforeseen: a JSON 500 naming the request id, never the exception (the log has it)."""
+    rid = request_id(request)
+    response = error_response(ApiError("backend", f"internal error (request id {rid}); the server log has the"
+                                       " details"), error_style(request))
+    response.headers["x-request-id"] = rid
+    return response

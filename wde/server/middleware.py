@@ -1,4 +1,4 @@
-"""ASGI middleware: optional bearer-token auth and per-route request metrics.
+"""ASGI middleware: request ids, the body-size limit, optional bearer-token auth and per-route request metrics.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware, so the handlers still see the client disconnect.
 """
@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import time
+import uuid
 from typing import Any, Awaitable, Callable
 
 from wde.server.errors import TEI_PATHS, ApiError, error_body
@@ -19,6 +21,90 @@ Send = Callable[[dict], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health"})
+_SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+async def send_error(send: Send, scope: Scope, error: ApiError, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    """Answer with `error` in the shape the path's clients expect, before any handler ran."""
+    body = json.dumps(error_body(error, "tei" if scope["path"] in TEI_PATHS else "openai")).encode()
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequestIdMiddleware:
+    """Gives every request an id, the client's `x-request-id` when it sends a sane one, and echoes it in the
+    response's `x-request-id` header; error messages and the log name requests by it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _SANE_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class PayloadLimitMiddleware:
+    """Refuses bodies over `limit` bytes with 413: at once from Content-Length, else while the body streams in."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    def _error(self) -> ApiError:
+        return ApiError("too_large", f"the request body is larger than the limit of {self.limit} bytes"
+                        " (wde serve --payload-limit)")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await send_error(send, scope, ApiError("bad_json", "the Content-Length header is not a number"))
+                return
+            if int(declared) > self.limit:
+                await send_error(send, scope, self._error())
+                return
+        received = 0
+        started = False
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise _TooLarge()
+            return message
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await send_error(send, scope, self._error())
 
 
 class ApiKeyMiddleware:
@@ -37,10 +123,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         error = ApiError("unauthorized", "missing or invalid API key: send 'Authorization: Bearer <key>'")
-        body = json.dumps(error_body(error, "tei" if scope["path"] in TEI_PATHS else "openai")).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, scope, error, [(b"www-authenticate", b"Bearer")])
 
 
 class MetricsMiddleware:

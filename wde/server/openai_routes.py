@@ -73,6 +73,6 @@ async def models(request: Request) -> JSONResponse:
     svc = service(request)
     engine = svc.engine.engine
     card = {"id": svc.model_name, "object": "model", "created": svc.created, "owned_by": "wde",
-            "root": str(engine.source.path), "workflow": engine.workflow.name,
+            "root": svc.model_name, "workflow": engine.workflow.name,
             "outputs": list(engine.supported_outputs), "max_model_len": engine.max_length}
     return JSONResponse({"object": "list", "data": [card]})

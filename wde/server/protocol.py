@@ -1,6 +1,7 @@
 """Request bodies of every route, as pydantic models, and `parse`, which turns a bad body into a 422 naming the field.
 
-Unknown fields are ignored, as OpenAI, Cohere/Jina and TEI (serde) servers do.
+Unknown fields are ignored, as OpenAI, Cohere/Jina and TEI (serde) servers do. Known fields are strict: no
+coercion of `true` to 1, of "yes" to true or of 1.0 to 1, so a client's mistake is an error, not a guess.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import json
 from typing import Any, Literal, TypeVar, Union
 
 from fastapi import Request
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from wde.server.errors import ApiError
 
@@ -19,12 +20,18 @@ TeiInput = Union[str, TokenIds, list[Union[str, TokenIds]]]
 Direction = Literal["right", "left"]
 
 
+class Body(BaseModel):
+    """Base of every request body: strict types, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True)
+
+
 def _direction(value: Any) -> Any:
     """TEI accepts Right/Left as well as right/left."""
     return value.lower() if isinstance(value, str) else value
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(Body):
     """OpenAI /v1/embeddings."""
 
     input: EmbedInput
@@ -38,7 +45,7 @@ class EmbeddingRequest(BaseModel):
     """Extension: a named instruction prefix of the model (e.g. "query")."""
 
 
-class PoolingRequest(BaseModel):
+class PoolingRequest(Body):
     """/pooling: every output the workflow produces (dense, sparse, colbert...), or the ones asked for."""
 
     input: EmbedInput
@@ -53,11 +60,11 @@ class PoolingRequest(BaseModel):
     _direction = field_validator("truncation_direction", mode="before")(_direction)
 
 
-class Document(BaseModel):
+class Document(Body):
     text: str
 
 
-class RerankRequest(BaseModel):
+class RerankRequest(Body):
     """Cohere/Jina/vLLM rerank."""
 
     query: str
@@ -69,7 +76,7 @@ class RerankRequest(BaseModel):
     raw_scores: bool = False
 
 
-class TeiRerankRequest(BaseModel):
+class TeiRerankRequest(Body):
     """TEI /rerank."""
 
     query: str
@@ -82,7 +89,7 @@ class TeiRerankRequest(BaseModel):
     _direction = field_validator("truncation_direction", mode="before")(_direction)
 
 
-class ScoreRequest(BaseModel):
+class ScoreRequest(Body):
     """vLLM /score: pairs (equal-length lists) or one text against many."""
 
     text_1: Union[str, list[str]]
@@ -92,7 +99,7 @@ class ScoreRequest(BaseModel):
     raw_scores: bool = False
 
 
-class ClassifyRequest(BaseModel):
+class ClassifyRequest(Body):
     """vLLM /classify."""
 
     input: Union[str, list[str]]
@@ -100,7 +107,7 @@ class ClassifyRequest(BaseModel):
     truncate: bool = False
 
 
-class TeiEmbedRequest(BaseModel):
+class TeiEmbedRequest(Body):
     """TEI /embed."""
 
     inputs: TeiInput
@@ -113,7 +120,7 @@ class TeiEmbedRequest(BaseModel):
     _direction = field_validator("truncation_direction", mode="before")(_direction)
 
 
-class TeiSparseRequest(BaseModel):
+class TeiSparseRequest(Body):
     """TEI /embed_sparse."""
 
     inputs: TeiInput
@@ -124,7 +131,7 @@ class TeiSparseRequest(BaseModel):
     _direction = field_validator("truncation_direction", mode="before")(_direction)
 
 
-class TeiPredictRequest(BaseModel):
+class TeiPredictRequest(Body):
     """TEI /predict: a text, a [text, text_pair] pair, or a batch of [text] / [text, text_pair] lists."""
 
     inputs: Union[str, list[str], list[list[str]]]
@@ -135,7 +142,7 @@ class TeiPredictRequest(BaseModel):
     _direction = field_validator("truncation_direction", mode="before")(_direction)
 
 
-class TeiTokenizeRequest(BaseModel):
+class TeiTokenizeRequest(Body):
     """TEI /tokenize."""
 
     inputs: Union[str, list[str]]
@@ -170,12 +177,14 @@ def _is_union_tag(part: Any) -> bool:
 
 
 async def read_json(request: Request) -> Any:
-    """The request body as JSON; malformed JSON is a 400 (the body never reached validation)."""
+    """The request body as JSON; malformed or too deeply nested JSON is a 400 (it never reached validation)."""
     raw = await request.body()
     try:
         return json.loads(raw)
     except ValueError as e:
         raise ApiError("bad_json", f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError("bad_json", "the request body is nested too deeply to be a request") from None
 
 
 def embed_items(value: Any) -> list[Any]:

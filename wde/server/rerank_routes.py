@@ -20,9 +20,10 @@ router = APIRouter()
 
 async def _scores(svc: Service, request: Request, query: str, docs: list[str], params: PoolingParams,
                   field: str) -> tuple[list[tuple[int, float]], Result]:
-    """(index, score) best first, and the raw result for usage and headers."""
+    """(index, score) best first, and the raw result for usage and headers. Errors name `query` or `field[i]`."""
     svc.require("score", request.url.path)
-    result = await svc.run(request, [(query, d) for d in docs], params, field)
+    names = [("query", f"{field}[{i}]") for i in range(len(docs))]
+    result = await svc.run(request, [(query, d) for d in docs], params, field, names)
     ranked = sorted(((i, scalar(o.outputs["score"])) for i, o in enumerate(result.outputs)), key=lambda x: -x[1])
     return ranked, result
 

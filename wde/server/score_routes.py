@@ -17,16 +17,23 @@ from wde.server.service import Service, scalar
 router = APIRouter()
 
 
-def _pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
-    """vLLM's rules: a single text_1 (or a one-element list) is scored against every text_2; else zip."""
+def _pairs(text_1: str | list[str], text_2: str | list[str]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """vLLM's rules: a single text_1 (or a one-element list) is scored against every text_2; else zip.
+
+    Also returns each pair's field names (`text_1` or `text_1[i]`, `text_2` or `text_2[j]`) for errors.
+    """
     left = [text_1] if isinstance(text_1, str) else text_1
     right = [text_2] if isinstance(text_2, str) else text_2
-    if len(left) == 1:
-        left = left * len(right)
-    if len(left) != len(right):
+    if len(left) != 1 and len(left) != len(right):
         raise ApiError("validation", f"text_1 has {len(left)} texts and text_2 has {len(right)}; send one text_1"
                        " or as many as text_2", "text_1")
-    return list(zip(left, right))
+
+    def name(field: str, value: str | list[str], i: int) -> str:
+        return field if isinstance(value, str) else f"{field}[{i}]"
+
+    pairs = [(left[0 if len(left) == 1 else i], t) for i, t in enumerate(right)]
+    names = [(name("text_1", text_1, 0 if len(left) == 1 else i), name("text_2", text_2, i)) for i in range(len(right))]
+    return pairs, names
 
 
 @router.post("/score")
@@ -37,16 +44,20 @@ async def score(request: Request) -> JSONResponse:
     svc.check_model(body.model)
     if "dense" not in svc.supported:
         svc.require("score", "/score")
-    pairs = _pairs(body.text_1, body.text_2)
+    pairs, names = _pairs(body.text_1, body.text_2)
     if "score" in svc.supported:
         params = PoolingParams(truncate=body.truncate, activation=False if body.raw_scores else None,
                                outputs=("score",))
-        result = await svc.run(request, pairs, params, "text_2")
+        result = await svc.run(request, pairs, params, "text_2", names)
         scores = [scalar(o.outputs["score"]) for o in result.outputs]
     else:
-        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        first_name: dict[str, str] = {}  # each distinct text once, named where it first appears
+        for pair, pair_names in zip(pairs, names):
+            for text, text_name in zip(pair, pair_names):
+                first_name.setdefault(text, text_name)
+        texts = list(first_name)
         params = PoolingParams(truncate=body.truncate, normalize=True, outputs=("dense",))
-        result = await svc.run(request, texts, params, "text_2")
+        result = await svc.run(request, texts, params, "text_2", [first_name[t] for t in texts])
         vec = {t: o.outputs["dense"] for t, o in zip(texts, result.outputs)}
         scores = [float(np.dot(vec[a], vec[b])) for a, b in pairs]
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 from fastapi import Request
 
-from wde.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
+from wde.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, input_names
 from wde.errors import RequestError
 from wde.model_source import DEFAULT_MODEL
 from wde.request import PoolingParams, RequestOutput
 from wde.server.config import ServerConfig
-from wde.server.errors import ApiError
+from wde.server.errors import ApiError, ErrorKind, request_id
 from wde.server.metrics import ServerMetrics
 
 _NEEDS = {
@@ -25,6 +27,17 @@ _NEEDS = {
     "probs": "a sequence classifier (output 'probs')",
     "sparse": "a sparse-embedding model such as bge-m3 (output 'sparse')",
 }
+
+
+_KIND: dict[str, ErrorKind] = {"empty": "empty", "encoding": "bad_text", "too_long": "too_long"}
+"""RequestError kinds → API error kinds (anything else the input caused is "validation")."""
+
+T = TypeVar("T")
+
+
+def api_error(error: RequestError) -> ApiError:
+    """The API error for an input the engine refused at admission (it names its field itself)."""
+    return ApiError(_KIND.get(error.kind, "validation"), str(error), error.field)
 
 
 class ClientDisconnected(Exception):
@@ -52,15 +65,22 @@ class Service:
         self.engine = engine
         self.config = config
         self.metrics = metrics
-        self.model_name = config.served_model_name or config.model or DEFAULT_MODEL
+        self.model_name = config.served_model_name or _public_name(config.model) or DEFAULT_MODEL
+        """What responses call the model: never a local path (a model folder is named by its last component)."""
         self.created = int(time.time())
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wde-tokenize-api")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer work for a route (/tokenize) on the service's own thread, off the event loop and the
+        engine thread, so a large text neither stalls other requests nor races the engine's tokenizer."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     @property
     def supported(self) -> tuple[str, ...]:
         return self.engine.engine.supported_outputs
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name not in (self.model_name, self.config.model):
             raise ApiError("not_found", f"model {name!r} is not served here; this server serves"
                            f" {self.model_name!r}", "model")
 
@@ -79,8 +99,12 @@ class Service:
         return [str(x) for x in labels]
 
     async def run(self, request: Request, inputs: Sequence[Any], params: PoolingParams | Sequence[PoolingParams],
-                  field: str) -> Result:
-        """Validate the batch, run it, and map every failure to its status code."""
+                  field: str, names: Sequence[str | tuple[str, str]] | None = None) -> Result:
+        """Validate the batch, run it, and map every failure to its status code.
+
+        `field` is the body field holding the inputs; `names`, when given, names each input in errors (a pair
+        may name each side, e.g. ``("query", "documents[3]")``), else they are `field` / `field[i]`.
+        """
         start = time.perf_counter()
         if not inputs:
             raise ApiError("empty", f"{field} is empty: send at least one input", field)
@@ -88,36 +112,45 @@ class Service:
         if len(inputs) > limit:
             raise ApiError("validation", f"batch size {len(inputs)} > maximum allowed batch size {limit}"
                            f" ({field} has {len(inputs)} inputs; the limit is {limit})", field)
-        for i, x in enumerate(inputs):
-            if _is_empty(x):
-                where = field if len(inputs) == 1 else f"{field}[{i}]"
-                raise ApiError("empty", f"{where} is empty (after stripping whitespace); send non-empty text", where)
+        names = input_names(names if names is not None else field, len(inputs))
+        rid = request_id(request)
         try:
-            outputs = await _unless_disconnected(request, self.engine.encode(inputs, params, field))
+            outputs = await _unless_disconnected(request, self.engine.encode(inputs, params, names, rid))
         except RequestError as e:
-            raise ApiError("validation", str(e), e.field) from None
+            raise api_error(e) from None
         except EngineOverloaded as e:
             raise ApiError("overloaded", str(e)) from None
         except EngineUnavailable as e:
             raise ApiError("unhealthy", str(e)) from None
-        failed = [o.error for o in outputs if o.error is not None and o.error.kind == "internal"]
-        if failed:
-            raise ApiError("backend", str(failed[0]))
+        internal = False
         for i, out in enumerate(outputs):
-            if out.error is not None:
-                where = field if len(outputs) == 1 else f"{field}[{i}]"
-                kind = "too_long" if out.error.kind == "too_long" else "validation"
-                raise ApiError(kind, f"{where}: {out.error}", where)
+            if out.error is None:
+                continue
+            if out.error.kind == "internal":
+                internal = True
+                continue
+            where = _name_of(names[i], out.error.field)
+            raise ApiError(_KIND.get(out.error.kind, "validation"), f"{where}: {out.error}", where)
+        if internal:
+            raise ApiError("backend", f"internal error while serving this request (request id {rid}); the server log"
+                           " has the details")
         self.metrics.on_outputs(outputs)
         return Result(outputs, _timing_headers(outputs, start, inputs))
 
 
-def _is_empty(item: Any) -> bool:
-    """An input that is blank text, a pair with a blank side, or an empty token list."""
-    if isinstance(item, dict):
-        return not item.get("token_ids")
-    texts = item if isinstance(item, tuple) else (item,)
-    return any(isinstance(t, str) and not t.strip() for t in texts)
+def _public_name(model: str | None) -> str | None:
+    """A model argument fit to show clients: a hub id as given, a local folder by its name alone."""
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    return path.name if path.is_absolute() or path.exists() or model.startswith(".") else model
+
+
+def _name_of(name: str | tuple[str, str], error_field: str | None) -> str:
+    """The name of the input an engine error is about: a pair's first side when the error says so."""
+    if isinstance(name, str):
+        return name
+    return name[0] if (error_field or "").endswith("[0]") else name[1]
 
 
 async def _unless_disconnected(request: Request, work: Any) -> list[RequestOutput]:

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import numpy as np
@@ -13,12 +12,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 import wde
-from wde.model_source import DEFAULT_MODEL
+from wde.errors import RequestError
 from wde.request import PoolingParams
 from wde.server.errors import ApiError, error_response
 from wde.server.protocol import (TeiEmbedRequest, TeiPredictRequest, TeiSparseRequest, TeiTokenizeRequest, embed_items,
                                  parse, read_json)
-from wde.server.service import Service, scalar
+from wde.server.service import Service, api_error, scalar
 
 router = APIRouter()
 
@@ -56,19 +55,27 @@ async def embed_sparse(request: Request) -> JSONResponse:
     return JSONResponse(sparse, headers=result.headers)
 
 
-def _predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[Any], bool]:
-    """TEI's reading: a string or a flat list of one or two strings is one input; a list of lists is a batch."""
-    def one(seq: list[str]) -> Any:
+def _predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[Any], list[Any], bool]:
+    """TEI's reading: a string or a flat list of one or two strings is one input; a list of lists is a batch.
+
+    Returns the inputs, their names for errors (`inputs`, `inputs[i]`, a pair's sides `...[0]` / `...[1]`) and
+    whether it was a single input.
+    """
+    def one(seq: list[str], name: str) -> tuple[Any, Any]:
         if len(seq) not in (1, 2):
-            raise ApiError("validation", f"inputs: a sequence is a single string or a pair of strings, got {len(seq)}"
-                           " strings", "inputs")
-        return seq[0] if len(seq) == 1 else (seq[0], seq[1])
+            raise ApiError("validation", f"{name}: a sequence is a single string or a pair of strings, got {len(seq)}"
+                           " strings", name)
+        if len(seq) == 1:
+            return seq[0], f"{name}[0]"
+        return (seq[0], seq[1]), (f"{name}[0]", f"{name}[1]")
 
     if isinstance(inputs, str):
-        return [inputs], True
+        return [inputs], ["inputs"], True
     if inputs and isinstance(inputs[0], str):
-        return [one(inputs)], True  # type: ignore[arg-type]
-    return [one(seq) for seq in inputs], False  # type: ignore[arg-type]
+        item, name = one(inputs, "inputs")  # type: ignore[arg-type]
+        return [item], [name], True
+    items = [one(seq, f"inputs[{i}]") for i, seq in enumerate(inputs)]  # type: ignore[arg-type]
+    return [x for x, _ in items], [n for _, n in items], False
 
 
 @router.post("/predict")
@@ -78,10 +85,10 @@ async def predict(request: Request) -> JSONResponse:
     body = parse(TeiPredictRequest, await read_json(request))
     output = "probs" if "probs" in svc.supported else "score"
     svc.require(output, "/predict")
-    items, single = _predict_inputs(body.inputs)
+    items, names, single = _predict_inputs(body.inputs)
     params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
                            activation=False if body.raw_scores else None, outputs=(output,))
-    result = await svc.run(request, items, params, "inputs")
+    result = await svc.run(request, items, params, "inputs", names)
     labels = svc.labels()
     predictions = []
     for o in result.outputs:
@@ -105,19 +112,27 @@ async def tokenize(request: Request) -> JSONResponse:
     if len(texts) > svc.config.max_client_batch_size:
         raise ApiError("validation", f"batch size {len(texts)} > maximum allowed batch size"
                        f" {svc.config.max_client_batch_size}", "inputs")
-    tokenizer = getattr(svc.engine.engine.tokenizer, "hf_tokenizer", None)
-    if tokenizer is None:
+    component = svc.engine.engine.tokenizer
+    if not hasattr(component, "hf_tokenizer"):
         raise ApiError("unsupported", "this workflow's tokenizer does not expose a Hugging Face tokenizer")
+    check = getattr(svc.engine.engine.input_processor, "check_text", None)
+    if check is not None:
+        for i, text in enumerate(texts):
+            try:
+                check(text, "inputs" if isinstance(body.inputs, str) else f"inputs[{i}]")
+            except RequestError as e:
+                raise api_error(e) from None
     prompts = getattr(svc.engine.engine.input_processor, "prompts", {})
     if body.prompt_name is not None and body.prompt_name not in prompts:
         raise ApiError("validation", f"prompt_name {body.prompt_name!r} is not defined; defined prompts:"
                        f" {sorted(prompts) or 'none'}", "prompt_name")
     prefix = prompts[body.prompt_name] if body.prompt_name else ""
-    tokens = await asyncio.to_thread(_tokens, tokenizer, [prefix + t for t in texts], body.add_special_tokens)
+    tokens = await svc.off_loop(_tokens, component, [prefix + t for t in texts], body.add_special_tokens)
     return JSONResponse(tokens)
 
 
-def _tokens(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
+def _tokens(component: Any, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
+    tokenizer = component.hf_tokenizer  # this thread's own copy
     enc = tokenizer(texts, add_special_tokens=add_special_tokens, return_offsets_mapping=True,
                     return_attention_mask=False, return_token_type_ids=False)
     special = set(tokenizer.all_special_ids)
@@ -153,7 +168,7 @@ async def info(request: Request) -> JSONResponse:
     param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
     sched = getattr(engine.scheduler, "params", None)
     return JSONResponse({
-        "model_id": svc.config.model or DEFAULT_MODEL,
+        "model_id": svc.model_name,
         "model_sha": None,
         "model_dtype": str(param.dtype).removeprefix("torch.") if param is not None else "unknown",
         "served_model_name": svc.model_name,
