@@ -31,6 +31,9 @@ from wde.workflow import ResolvedWorkflow, load_workflow, overrides_to_paths
 
 log = logging.getLogger("wde.engine")
 
+SOLO_ATTEMPTS = 2
+"""Runs a request gets in a batch of its own before its failure is final (the first failure may be transient)."""
+
 
 @dataclass(frozen=True)
 class BatchStats:
@@ -77,6 +80,8 @@ class Engine:
         self._inflight: deque[tuple[SchedulerOutput, Future[tuple[Pooled, float]]]] = deque()
         self._retry: deque[SchedulerOutput] = deque()
         """Halves of failed batches, run before anything new until the culprit is alone (see `_failed`)."""
+        self._failed_alone: dict[str, int] = {}
+        """Request id → times it failed in a batch of its own (a request gets `SOLO_ATTEMPTS` tries)."""
 
     @classmethod
     def from_workflow(
@@ -170,6 +175,9 @@ class Engine:
                 finished.extend(self._failed(batch, e, "model or output processor"))
             else:
                 finished.extend(outputs)
+                if self._failed_alone:
+                    for o in outputs:
+                        self._failed_alone.pop(o.request_id, None)
                 self._report(BatchStats(len(batch.scheduled), batch.num_tokens, seconds))
         return finished
 
@@ -182,7 +190,8 @@ class Engine:
             log.exception("the on_batch callback failed; the batch's results are delivered anyway")
 
     def _failed(self, batch: SchedulerOutput, error: Exception, where: str) -> list[RequestOutput]:
-        """Split a failed batch in two and queue both halves for retry; a request that fails alone has failed."""
+        """Split a failed batch in two and queue both halves for retry. A request failing alone is retried once
+        more (the fault may have been transient); failing alone twice, it has failed."""
         if len(batch.scheduled) > 1:
             half = len(batch.scheduled) // 2
             log.warning("a batch of %d requests failed in %s (%s: %s); retrying it in halves to isolate the cause",
@@ -190,6 +199,14 @@ class Engine:
             self._retry.extendleft([SchedulerOutput(batch.scheduled[half:]), SchedulerOutput(batch.scheduled[:half])])
             return []
         rid = batch.scheduled[0].request.request_id
+        attempts = self._failed_alone.get(rid, 0) + 1
+        if attempts < SOLO_ATTEMPTS:
+            log.warning("request %s failed alone in %s (%s: %s); retrying it once", rid, where, type(error).__name__,
+                        error)
+            self._failed_alone[rid] = attempts
+            self._retry.appendleft(batch)
+            return []
+        self._failed_alone.pop(rid, None)
         return [RequestOutput(rid, error=internal_error(rid, error, where))]
 
     def reset(self) -> list[str]:
@@ -201,6 +218,7 @@ class Engine:
             ids.extend(s.request.request_id for s in batch.scheduled)
         self._retry.clear()
         self._inflight.clear()
+        self._failed_alone.clear()
         return ids
 
     def encode(self, inputs: Sequence[Any], params: PoolingParams | None = None, *, progress: bool = False,

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from wde.request import PoolingParams
 from wde.server.errors import ApiError
-from wde.server.protocol import EmbeddingRequest, PoolingRequest, embed_items, parse, read_json
+from wde.server.protocol import EmbeddingRequest, PoolingRequest, body_schema, embed_items, parse, read_json
 from wde.server.service import Result, Service, to_json
 
 router = APIRouter()
@@ -28,7 +28,7 @@ def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str
     return vector.astype(np.float32).tolist()
 
 
-@router.post("/v1/embeddings")
+@router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingRequest))
 async def embeddings(request: Request) -> JSONResponse:
     svc = service(request)
     body = parse(EmbeddingRequest, await read_json(request))
@@ -42,7 +42,7 @@ async def embeddings(request: Request) -> JSONResponse:
     return _list_response(svc, data, result)
 
 
-@router.post("/pooling")
+@router.post("/pooling", openapi_extra=body_schema(PoolingRequest))
 async def pooling(request: Request) -> JSONResponse:
     svc = service(request)
     body = parse(PoolingRequest, await read_json(request))

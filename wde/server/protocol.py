@@ -194,3 +194,36 @@ def embed_items(value: Any) -> list[Any]:
     if value and all(isinstance(x, int) for x in value):
         return [{"token_ids": list(value)}]
     return [x if isinstance(x, str) else {"token_ids": list(x)} for x in value]
+
+
+def body_schema(*models: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` of a route that reads its body itself: the spec describes the JSON body of `models`.
+
+    Routes parse with `read_json` + `parse` (so every error has our shape), which FastAPI cannot see; this puts
+    the models' JSON Schema into /openapi.json, for clients and fuzzers. Pydantic's `$defs` are inlined, as the
+    operation cannot add to `components`; several models (one route, two shapes) become an `anyOf`.
+    """
+    schemas = [_inline_defs(model.model_json_schema()) for model in models]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _inline_defs(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with each `{"$ref": "#/$defs/X"}` replaced by X itself (request models are not recursive)."""
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any, seen: tuple[str, ...]) -> Any:
+        if isinstance(node, list):
+            return [resolve(x, seen) for x in node]
+        if not isinstance(node, dict):
+            return node
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            name = ref[len("#/$defs/"):]
+            if name in seen:
+                raise ValueError(f"recursive request model {name} cannot be inlined")
+            rest = {k: v for k, v in node.items() if k != "$ref"}
+            return {**resolve(defs[name], seen + (name,)), **resolve(rest, seen)}
+        return {k: resolve(v, seen) for k, v in node.items()}
+
+    return resolve(schema, ())

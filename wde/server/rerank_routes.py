@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from wde.request import PoolingParams
-from wde.server.protocol import Document, RerankRequest, TeiRerankRequest, parse, read_json
+from wde.server.protocol import Document, RerankRequest, TeiRerankRequest, body_schema, parse, read_json
 from wde.server.service import Result, Service, scalar
 
 router = APIRouter()
@@ -28,8 +28,8 @@ async def _scores(svc: Service, request: Request, query: str, docs: list[str], p
     return ranked, result
 
 
-@router.post("/rerank")
-@router.post("/v1/rerank")
+@router.post("/rerank", openapi_extra=body_schema(RerankRequest, TeiRerankRequest))
+@router.post("/v1/rerank", openapi_extra=body_schema(RerankRequest, TeiRerankRequest))
 async def rerank(request: Request) -> JSONResponse:
     svc: Service = request.app.state.service
     raw = await read_json(request)

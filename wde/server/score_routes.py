@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from wde.request import PoolingParams
 from wde.server.errors import ApiError
-from wde.server.protocol import ClassifyRequest, ScoreRequest, parse, read_json
+from wde.server.protocol import ClassifyRequest, ScoreRequest, body_schema, parse, read_json
 from wde.server.service import Service, scalar
 
 router = APIRouter()
@@ -36,7 +36,7 @@ def _pairs(text_1: str | list[str], text_2: str | list[str]) -> tuple[list[tuple
     return pairs, names
 
 
-@router.post("/score")
+@router.post("/score", openapi_extra=body_schema(ScoreRequest))
 async def score(request: Request) -> JSONResponse:
     """Cross-encoders score each pair; embedding models answer with the cosine similarity of the two texts."""
     svc: Service = request.app.state.service
@@ -66,7 +66,7 @@ async def score(request: Request) -> JSONResponse:
                          "model": svc.model_name, "data": data, "usage": usage}, headers=result.headers)
 
 
-@router.post("/classify")
+@router.post("/classify", openapi_extra=body_schema(ClassifyRequest))
 async def classify(request: Request) -> JSONResponse:
     svc: Service = request.app.state.service
     body = parse(ClassifyRequest, await read_json(request))

@@ -15,8 +15,8 @@ import wde
 from wde.errors import RequestError
 from wde.request import PoolingParams
 from wde.server.errors import ApiError, error_response
-from wde.server.protocol import (TeiEmbedRequest, TeiPredictRequest, TeiSparseRequest, TeiTokenizeRequest, embed_items,
-                                 parse, read_json)
+from wde.server.protocol import (TeiEmbedRequest, TeiPredictRequest, TeiSparseRequest, TeiTokenizeRequest, body_schema,
+                                 embed_items, parse, read_json)
 from wde.server.service import Service, api_error, scalar
 
 router = APIRouter()
@@ -26,7 +26,7 @@ def service(request: Request) -> Service:
     return request.app.state.service
 
 
-@router.post("/embed")
+@router.post("/embed", openapi_extra=body_schema(TeiEmbedRequest))
 async def embed(request: Request) -> JSONResponse:
     svc = service(request)
     body = parse(TeiEmbedRequest, await read_json(request))
@@ -38,7 +38,7 @@ async def embed(request: Request) -> JSONResponse:
     return JSONResponse([v.astype(np.float32).tolist() for v in result.dense], headers=result.headers)
 
 
-@router.post("/embed_sparse")
+@router.post("/embed_sparse", openapi_extra=body_schema(TeiSparseRequest))
 async def embed_sparse(request: Request) -> JSONResponse:
     svc = service(request)
     body = parse(TeiSparseRequest, await read_json(request))
@@ -78,7 +78,7 @@ def _predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[Any
     return [x for x, _ in items], [n for _, n in items], False
 
 
-@router.post("/predict")
+@router.post("/predict", openapi_extra=body_schema(TeiPredictRequest))
 async def predict(request: Request) -> JSONResponse:
     """Classifiers answer every label, best first; cross-encoders their single score."""
     svc = service(request)
@@ -102,7 +102,7 @@ async def predict(request: Request) -> JSONResponse:
     return JSONResponse(predictions[0] if single else predictions, headers=result.headers)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=body_schema(TeiTokenizeRequest))
 async def tokenize(request: Request) -> JSONResponse:
     svc = service(request)
     body = parse(TeiTokenizeRequest, await read_json(request))

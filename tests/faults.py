@@ -1,0 +1,151 @@
+"""Fault-injection components: a tokenizer, model, pooler and runner that fail on purpose.
+
+Each fails on a batch that carries the poison word (default "poison"), so a test knows the culprit; the runner
+can also fail every Nth batch (a transient fault, as the soak benchmark injects). The tokenizer can also hold
+texts longer than `hold_chars` until `HOLD` is set, to prove a slow tokenization does not block other requests.
+
+`register()` adds them to the process registry (idempotent); then a workflow names them, e.g.
+``overrides=["model.name=fault_bert"]``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import torch
+from pydantic import Field
+
+from wde.components.base import BuildContext, Params
+from wde.components.model_input_builder import ModelInput
+from wde.components.models.bert import BertModel
+from wde.components.pooler import Pooled, SentencePooler, SentencePoolerParams
+from wde.components.runner import TorchRunner
+from wde.components.scheduler import FCFSParams, FCFSScheduler, SchedulerOutput
+from wde.components.tokenizer import HFTokenizer, HFTokenizerParams
+from wde.registry import get_registry
+from wde.request import TextPrompt
+
+HOLD = threading.Event()
+"""Released (set) by a test when the held tokenizations may finish."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the components below; never by real code."""
+
+
+def poison_id(ctx: BuildContext, word: str) -> int:
+    """The single token id of `word` in the model's vocabulary (the marker the model-side faults look for)."""
+    (ids, _), = ctx.tokenizer.encode([TextPrompt(word)])
+    inner = [i for i in ids if i not in ctx.tokenizer.special_ids]
+    if len(inner) != 1:
+        raise ValueError(f"poison word {word!r} must be one token in this vocabulary, got {inner}")
+    return inner[0]
+
+
+def check(input_ids: torch.Tensor, poison: int, where: str) -> None:
+    if bool((input_ids == poison).any()):
+        raise InjectedFault(f"injected fault in the {where}")
+
+
+class FaultTokenizerParams(HFTokenizerParams):
+    poison: str = "poison"
+    hold_chars: int = Field(0, ge=0, description="hold texts longer than this until HOLD is set; 0: never")
+
+
+class FaultTokenizer(HFTokenizer):
+    kind = "tokenizer"
+    name = "fault_hf_tokenizer"
+    Params = FaultTokenizerParams
+
+    def encode(self, prompts: Sequence[Any], max_length: int | None = None, direction: Any = "right") -> list:
+        texts = [getattr(p, "text", "") + getattr(p, "text_pair", "") for p in prompts]
+        if any(self.params.poison in t for t in texts):
+            raise InjectedFault("injected fault in the tokenizer")
+        if self.params.hold_chars and any(len(t) > self.params.hold_chars for t in texts):
+            HOLD.wait(60)
+        return super().encode(prompts, max_length, direction)
+
+
+class FaultBert(BertModel):
+    kind = "model"
+    name = "fault_bert"
+
+    def __init__(self, params: Any, ctx: BuildContext) -> None:
+        super().__init__(params, ctx)
+        self._poison = poison_id(ctx, "poison")
+
+    def forward(self, batch: ModelInput) -> torch.Tensor:
+        check(batch.input_ids, self._poison, "model")
+        return super().forward(batch)
+
+
+class FaultPoolerParams(SentencePoolerParams):
+    poison: str = "poison"
+
+
+class FaultPooler(SentencePooler):
+    kind = "pooler"
+    name = "fault_sentence"
+    Params = FaultPoolerParams
+
+    def __init__(self, params: FaultPoolerParams, ctx: BuildContext) -> None:
+        super().__init__(params, ctx)
+        self._poison = poison_id(ctx, params.poison)
+
+    def forward(self, hidden: torch.Tensor, batch: ModelInput) -> Pooled:
+        check(batch.input_ids, self._poison, "pooler")
+        return super().forward(hidden, batch)
+
+
+class FaultRunnerParams(Params):
+    poison: str = "poison"
+    fail_every: int = Field(0, ge=0, description="fail every Nth batch (a transient fault); 0: never")
+
+
+class FaultRunner(TorchRunner):
+    kind = "runner"
+    name = "fault_torch"
+    Params = FaultRunnerParams  # type: ignore[assignment]
+
+    def __init__(self, params: FaultRunnerParams, ctx: BuildContext) -> None:
+        super().__init__(params, ctx)
+        self._poison = poison_id(ctx, params.poison)
+        self.calls = 0
+        self.faults = 0
+
+    def run(self, batch: ModelInput) -> tuple[Pooled, float]:
+        self.calls += 1
+        if self.params.fail_every and self.calls % self.params.fail_every == 0:
+            self.faults += 1
+            raise InjectedFault(f"injected transient fault in batch {self.calls}")
+        check(batch.input_ids, self._poison, "runner")
+        return super().run(batch)
+
+
+class FaultSchedulerParams(FCFSParams):
+    crash_word: str = "crash"
+
+
+class FaultScheduler(FCFSScheduler):
+    """Raises out of `schedule()` itself (a scheduler bug, not one request's fault) while a waiting request
+    contains the crash word: the engine loop's supervisor must restart the loop."""
+
+    kind = "scheduler"
+    name = "fault_fcfs"
+    Params = FaultSchedulerParams
+
+    def schedule(self) -> SchedulerOutput:
+        if any(self.params.crash_word in getattr(r.prompt, "text", "") for r in list(self._waiting)):
+            raise InjectedFault("injected crash in the scheduler")
+        return super().schedule()
+
+
+FAULT_COMPONENTS = (FaultTokenizer, FaultBert, FaultPooler, FaultRunner, FaultScheduler)
+
+
+def register() -> None:
+    registry = get_registry()
+    for component in FAULT_COMPONENTS:
+        if component.name not in registry.components.get(component.kind, {}):
+            registry.add_component(component, plugin="tests.faults")
