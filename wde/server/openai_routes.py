@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from wde.request import PoolingParams
 from wde.server.errors import ApiError
-from wde.server.protocol import EmbeddingRequest, PoolingRequest, body_schema, embed_items, parse, read_json
+from wde.server.protocol import item_names, EmbeddingRequest, PoolingRequest, body_schema, embed_items, parse, read_json
 from wde.server.service import Result, Service, to_json
 
 router = APIRouter()
@@ -36,7 +36,7 @@ async def embeddings(request: Request) -> JSONResponse:
     svc.require("dense", "/v1/embeddings")
     params = PoolingParams(truncate=body.truncate, prompt_name=body.prompt_name, dimensions=body.dimensions,
                            outputs=("dense",))
-    result = await svc.run(request, embed_items(body.input), params, "input")
+    result = await svc.run(request, embed_items(body.input), params, "input", item_names("input", body.input))
     data = [{"object": "embedding", "embedding": encode_vector(v, body.encoding_format), "index": i}
             for i, v in enumerate(result.dense)]
     return _list_response(svc, data, result)
@@ -55,7 +55,7 @@ async def pooling(request: Request) -> JSONResponse:
     params = PoolingParams(truncate=body.truncate, truncation_direction=body.truncation_direction,
                            normalize=body.normalize, prompt_name=body.prompt_name, dimensions=body.dimensions,
                            outputs=wanted)
-    result = await svc.run(request, embed_items(body.input), params, "input")
+    result = await svc.run(request, embed_items(body.input), params, "input", item_names("input", body.input))
     data = [{"object": "pooling", "index": i, **{k: to_json(v) for k, v in o.outputs.items() if k in wanted}}
             for i, o in enumerate(result.outputs)]
     return _list_response(svc, data, result)

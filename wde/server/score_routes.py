@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from wde.request import PoolingParams
 from wde.server.errors import ApiError
-from wde.server.protocol import ClassifyRequest, ScoreRequest, body_schema, parse, read_json
+from wde.server.protocol import item_names, ClassifyRequest, ScoreRequest, body_schema, parse, read_json
 from wde.server.service import Service, scalar
 
 router = APIRouter()
@@ -73,7 +73,8 @@ async def classify(request: Request) -> JSONResponse:
     svc.check_model(body.model)
     svc.require("probs", "/classify")
     inputs = [body.input] if isinstance(body.input, str) else body.input
-    result = await svc.run(request, inputs, PoolingParams(truncate=body.truncate, outputs=("probs",)), "input")
+    result = await svc.run(request, inputs, PoolingParams(truncate=body.truncate, outputs=("probs",)), "input",
+                           item_names("input", body.input))
     labels = svc.labels()
     data = []
     for i, o in enumerate(result.outputs):

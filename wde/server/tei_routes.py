@@ -15,7 +15,7 @@ import wde
 from wde.errors import RequestError
 from wde.request import PoolingParams
 from wde.server.errors import ApiError, error_response
-from wde.server.protocol import (TeiEmbedRequest, TeiPredictRequest, TeiSparseRequest, TeiTokenizeRequest, body_schema,
+from wde.server.protocol import (item_names, TeiEmbedRequest, TeiPredictRequest, TeiSparseRequest, TeiTokenizeRequest, body_schema,
                                  embed_items, parse, read_json)
 from wde.server.service import Service, api_error, scalar
 
@@ -34,7 +34,7 @@ async def embed(request: Request) -> JSONResponse:
     params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
                            normalize=body.normalize, prompt_name=body.prompt_name, dimensions=body.dimensions,
                            outputs=("dense",))
-    result = await svc.run(request, embed_items(body.inputs), params, "inputs")
+    result = await svc.run(request, embed_items(body.inputs), params, "inputs", item_names("inputs", body.inputs))
     return JSONResponse([v.astype(np.float32).tolist() for v in result.dense], headers=result.headers)
 
 
@@ -45,7 +45,7 @@ async def embed_sparse(request: Request) -> JSONResponse:
     svc.require("sparse", "/embed_sparse")
     params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
                            prompt_name=body.prompt_name, outputs=("sparse",))
-    result = await svc.run(request, embed_items(body.inputs), params, "inputs")
+    result = await svc.run(request, embed_items(body.inputs), params, "inputs", item_names("inputs", body.inputs))
     try:
         sparse = [[{"index": int(k), "value": float(v)} for k, v in sorted(o.outputs["sparse"].items())]
                   for o in result.outputs]
