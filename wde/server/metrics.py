@@ -38,6 +38,8 @@ class ServerMetrics:
         self.pending = Gauge("wde_pending_inputs", "inputs accepted and not answered yet", registry=r)
         self.active = Gauge("wde_active_requests", "HTTP requests being served by the engine", registry=r)
         self.aborted = Gauge("wde_aborted_inputs", "inputs aborted because their client went away", registry=r)
+        self.restarts = Gauge("wde_engine_restarts", "times the engine loop failed and was restarted", registry=r)
+        self.healthy = Gauge("wde_engine_healthy", "1 while the engine loop runs, 0 once it gave up", registry=r)
 
     def bind(self, engine: AsyncEngine) -> None:
         """Gauges read the live engine at scrape time."""
@@ -45,6 +47,8 @@ class ServerMetrics:
         self.pending.set_function(lambda: engine.num_pending)
         self.active.set_function(lambda: engine.active_calls)
         self.aborted.set_function(lambda: engine.num_aborted)
+        self.restarts.set_function(lambda: engine.num_restarts)
+        self.healthy.set_function(lambda: float(engine.healthy))
 
     def on_batch(self, stats: BatchStats) -> None:
         """Called on the engine thread after each batch (prometheus-client metrics are thread-safe)."""
