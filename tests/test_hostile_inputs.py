@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests import faults, tiny_heads
-from tests.test_server import free_port, serve
+from tests.test_server import free_port, metric, serve
 from tests.test_server_tasks import cross_encoder_path  # noqa: F401 - a fixture
 from wde import Engine
 from wde.server import ServerConfig
@@ -310,6 +310,7 @@ def test_a_crashing_loop_restarts_and_run_server_exits_after_repeated_crashes(mi
     assert crashed.status_code == 503 and "retrying it is safe" in crashed.json()["error"]["message"]
     assert post(url, "/v1/embeddings", {"input": "good"}).status_code == 200
     assert httpx.get(f"{url}/health").status_code == 200
+    assert metric(url, "wde_engine_restarts") == 1 and metric(url, "wde_engine_healthy") == 1
     for _ in range(5):  # the budget: 5 restarts in 60 s; the sixth crash is fatal
         assert post(url, "/v1/embeddings", {"input": "crash again"}).status_code == 503
     thread.join(30)
