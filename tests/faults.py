@@ -1,4 +1,5 @@
-"""Fault-injection components: a tokenizer, model, pooler and runner that fail on purpose.
+"""Fault-injection components: a tokenizer, input builder, model, pooler, runner, output processor and scheduler
+that fail on purpose.
 
 Each fails on a batch that carries the poison word (default "poison"), so a test knows the culprit; the runner
 can also fail every Nth batch (a transient fault, as the soak benchmark injects). The tokenizer can also hold
@@ -18,7 +19,9 @@ from pydantic import Field
 
 from wde.components.base import BuildContext, Params
 from wde.components.model_input_builder import ModelInput
+from wde.components.model_input_builder import PackedInputBuilder
 from wde.components.models.bert import BertModel
+from wde.components.output_processor import EmbeddingOutputProcessor
 from wde.components.pooler import Pooled, SentencePooler, SentencePoolerParams
 from wde.components.runner import TorchRunner
 from wde.components.scheduler import FCFSParams, FCFSScheduler, SchedulerOutput
@@ -65,6 +68,10 @@ class FaultTokenizer(HFTokenizer):
         if self.params.hold_chars and any(len(t) > self.params.hold_chars for t in texts):
             HOLD.wait(60)
         return super().encode(prompts, max_length, direction)
+
+
+class PoisonParams(Params):
+    poison: str = "poison"
 
 
 class FaultBert(BertModel):
@@ -123,6 +130,32 @@ class FaultRunner(TorchRunner):
         return super().run(batch)
 
 
+def _poisoned(batch: SchedulerOutput, word: str) -> bool:
+    return any(word in getattr(s.request.prompt, "text", "") for s in batch.scheduled)
+
+
+class FaultInputBuilder(PackedInputBuilder):
+    kind = "model_input_builder"
+    name = "fault_packed"
+    Params = PoisonParams
+
+    def build(self, batch: SchedulerOutput) -> ModelInput:
+        if _poisoned(batch, self.params.poison):
+            raise InjectedFault("injected fault in the model input builder")
+        return super().build(batch)
+
+
+class FaultOutputProcessor(EmbeddingOutputProcessor):
+    kind = "output_processor"
+    name = "fault_embedding"
+    Params = PoisonParams
+
+    def process(self, batch: SchedulerOutput, pooled: Pooled, inference_time: float) -> list:
+        if _poisoned(batch, self.params.poison):
+            raise InjectedFault("injected fault in the output processor")
+        return super().process(batch, pooled, inference_time)
+
+
 class FaultSchedulerParams(FCFSParams):
     crash_word: str = "crash"
 
@@ -141,7 +174,8 @@ class FaultScheduler(FCFSScheduler):
         return super().schedule()
 
 
-FAULT_COMPONENTS = (FaultTokenizer, FaultBert, FaultPooler, FaultRunner, FaultScheduler)
+FAULT_COMPONENTS = (FaultTokenizer, FaultBert, FaultPooler, FaultRunner, FaultScheduler, FaultInputBuilder,
+                    FaultOutputProcessor)
 
 
 def register() -> None:

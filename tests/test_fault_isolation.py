@@ -34,8 +34,9 @@ def reference(minilm_engine: Engine, texts: list[str]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("executor", ["sync", "thread"])
-@pytest.mark.parametrize("override", ["tokenizer.name=fault_hf_tokenizer", "model.name=fault_bert",
-                                      "pooler.name=fault_sentence", "runner.name=fault_torch"])
+@pytest.mark.parametrize("override", ["tokenizer.name=fault_hf_tokenizer", "model_input_builder.name=fault_packed",
+                                      "model.name=fault_bert", "pooler.name=fault_sentence", "runner.name=fault_torch",
+                                      "output_processor.name=fault_embedding"])
 def test_only_the_culprit_fails(minilm_path: Path, minilm_engine: Engine, override: str, executor: str) -> None:
     with Engine.from_workflow("bert", minilm_path, overrides=[override, f"executor.name={executor}"]) as engine:
         outs = engine.encode(TEXTS, raise_on_error=False)
