@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Literal
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+
+from wde.server.responses import JSONResponse
 
 ErrorKind = Literal["empty", "validation", "too_long", "not_found", "unauthorized", "unsupported", "overloaded",
                     "backend", "unhealthy", "bad_json", "bad_text", "too_large", "not_allowed"]

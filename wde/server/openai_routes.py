@@ -7,9 +7,9 @@ import base64
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from wde.request import PoolingParams
+from wde.server.responses import JSONResponse
 from wde.server.errors import ApiError
 from wde.server.protocol import item_names, EmbeddingRequest, PoolingRequest, body_schema, embed_items, parse, read_json
 from wde.server.service import Result, Service, to_json
@@ -21,11 +21,12 @@ def service(request: Request) -> Service:
     return request.app.state.service
 
 
-def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str:
-    """OpenAI's base64 format is the little-endian float32 bytes of the vector."""
+def encode_vector(vector: np.ndarray, encoding_format: str) -> np.ndarray | str:
+    """OpenAI's base64 format is the little-endian float32 bytes of the vector; float is the float32 array
+    itself (the JSON response writes it without a Python float list)."""
     if encoding_format == "base64":
         return base64.b64encode(np.ascontiguousarray(vector, dtype="<f4").tobytes()).decode("ascii")
-    return vector.astype(np.float32).tolist()
+    return np.ascontiguousarray(vector, dtype=np.float32)
 
 
 @router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingRequest))

@@ -9,9 +9,9 @@ from __future__ import annotations
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from wde.request import PoolingParams
+from wde.server.responses import JSONResponse
 from wde.server.protocol import Document, RerankRequest, TeiRerankRequest, body_schema, parse, read_json
 from wde.server.service import Result, Service, scalar
 

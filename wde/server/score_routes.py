@@ -7,9 +7,9 @@ import uuid
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from wde.request import PoolingParams
+from wde.server.responses import JSONResponse
 from wde.server.errors import ApiError
 from wde.server.protocol import item_names, ClassifyRequest, ScoreRequest, body_schema, parse, read_json
 from wde.server.service import Service, scalar

@@ -196,9 +196,10 @@ def _timing_headers(outputs: list[RequestOutput], start: float, inputs: Sequence
 
 
 def to_json(value: Any) -> Any:
-    """numpy outputs to JSON: arrays to lists, sparse {token_id: weight} dicts to string-keyed dicts."""
+    """numpy outputs to JSON: arrays stay arrays (the JSON response writes them), sparse {token_id: weight}
+    dicts become string-keyed dicts of floats."""
     if isinstance(value, np.ndarray):
-        return value.tolist()
+        return value
     if isinstance(value, dict):
         return {str(k): float(v) for k, v in value.items()}
     if isinstance(value, np.generic):

@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 import wde
 from wde.errors import RequestError
 from wde.request import PoolingParams
+from wde.server.responses import JSONResponse
 from wde.server.errors import ApiError, error_response
 from wde.server.protocol import (item_names, TeiEmbedRequest, TeiPredictRequest, TeiSparseRequest, TeiTokenizeRequest, body_schema,
                                  embed_items, parse, read_json)
@@ -35,7 +35,7 @@ async def embed(request: Request) -> JSONResponse:
                            normalize=body.normalize, prompt_name=body.prompt_name, dimensions=body.dimensions,
                            outputs=("dense",))
     result = await svc.run(request, embed_items(body.inputs), params, "inputs", item_names("inputs", body.inputs))
-    return JSONResponse([v.astype(np.float32).tolist() for v in result.dense], headers=result.headers)
+    return JSONResponse([np.ascontiguousarray(v, dtype=np.float32) for v in result.dense], headers=result.headers)
 
 
 @router.post("/embed_sparse", openapi_extra=body_schema(TeiSparseRequest))
