@@ -73,3 +73,17 @@ def test_auto_token_budget_fits_the_longest_input(minilm_engine) -> None:
     default = GPU_TOKEN_BUDGET if default_device().type == "cuda" else CPU_TOKEN_BUDGET
     assert minilm_engine.scheduler.params.max_num_batched_tokens == "auto"
     assert minilm_engine.scheduler.token_budget == max(default, minilm_engine.max_length)
+
+
+def test_requests_asking_different_dimensions_share_a_batch(minilm_engine: Engine) -> None:
+    """One batch mixing `dimensions` (and none): each request gets its own width, as if it ran alone."""
+    texts = ["a short text", "another one", "the third", "and a fourth"]
+    dims = [None, 64, 128, 64]
+    ids = [minilm_engine.add_request(t, PoolingParams(dimensions=d)) for t, d in zip(texts, dims)]
+    outs = {}
+    while minilm_engine.has_unfinished():
+        outs.update({o.request_id: o for o in minilm_engine.step()})
+    for rid, text, d in zip(ids, texts, dims):
+        alone = minilm_engine.embed(text, dimensions=d)
+        got = outs[rid].outputs["dense"]
+        assert got.shape == (d or 384,) and np.abs(got - alone).max() <= TOLERANCE

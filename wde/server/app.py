@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -66,6 +68,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
 class EngineFailed(RuntimeError):
     """The engine loop gave up after repeated failures; `wde serve` exits non-zero so a supervisor restarts it."""
 
@@ -90,7 +96,14 @@ def run_server(config: ServerConfig) -> None:
             server.should_exit = True
 
         app.state.service.engine.on_fatal = on_fatal
-        server.run()
+        # uvicorn re-raises a caught SIGTERM after its graceful shutdown, with the handler that was in place
+        # before it started; with the default one the process would die by the signal (exit 143), not exit 0.
+        previous = signal.signal(signal.SIGTERM, lambda *_: None) if _main_thread() else None
+        try:
+            server.run()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     if fatal:
         raise EngineFailed(f"the engine loop failed repeatedly and the server shut down: {type(fatal[0]).__name__}:"
                            f" {fatal[0]}")
