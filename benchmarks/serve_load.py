@@ -1,11 +1,13 @@
 """Load test of `wde serve` against a naive one-request-at-a-time sentence-transformers FastAPI server.
 
-N concurrent clients (bare asyncio keep-alive connections) each send single-text /v1/embeddings requests until a fixed total is
-done. Each server runs in its own process, one after the other, so neither competes with the load
-generator or the other for the interpreter lock. Prints requests/s, p50/p99 latency, the mean batch size
-our server formed (from its /metrics) and the throughput ratio.
+N concurrent clients (bare asyncio keep-alive connections) each send /v1/embeddings requests of K texts until
+a fixed total is done, for every N in `--clients` and K in `--texts-per-request`. Each server runs in its own
+process, one after the other, so neither competes with the load generator or the other for the interpreter
+lock. Prints requests/s, inputs/s, p50/p99 latency and, for WDE (from its /metrics), tokens/s, the mean batch
+size it formed and the device busy fraction (device seconds / wall seconds); then the throughput ratios.
 
     python benchmarks/serve_load.py --clients 64 --requests 2000
+    python benchmarks/serve_load.py --clients 1,64,256,1024 --texts-per-request 1,32 --requests 4000
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class LoadResult:
     seconds: float
     latencies: list[float]
     failures: int
+    inputs: int = 0
+    tokens: float | None = None
+    busy: float | None = None
+    batch: float | None = None
 
     @property
     def rps(self) -> float:
@@ -100,12 +106,14 @@ async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host
     return status
 
 
-async def load(url: str, texts: list[str], clients: int) -> LoadResult:
-    """`clients` connections, each sending one single-text request at a time until `texts` is used up."""
+async def load(url: str, texts: list[str], clients: int, per_request: int = 1) -> LoadResult:
+    """`clients` connections, each sending one request of `per_request` texts at a time until `texts` is used up."""
     host, port = url.removeprefix("http://").split(":")
     queue: asyncio.Queue[bytes] = asyncio.Queue()
-    for t in texts:
-        queue.put_nowait(json.dumps({"input": t, "model": "bench", "truncate": True}).encode())
+    for i in range(0, len(texts), per_request):
+        chunk = texts[i:i + per_request]
+        queue.put_nowait(json.dumps({"input": chunk[0] if per_request == 1 else chunk, "model": "bench",
+                                     "truncate": True}).encode())
     latencies: list[float] = []
     failures = 0
 
@@ -125,7 +133,7 @@ async def load(url: str, texts: list[str], clients: int) -> LoadResult:
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
-    return LoadResult(time.perf_counter() - start, latencies, failures)
+    return LoadResult(time.perf_counter() - start, latencies, failures, inputs=len(latencies) * per_request)
 
 
 def wait_healthy(url: str, proc: mp.Process, timeout: float = 300) -> None:
@@ -142,53 +150,77 @@ def wait_healthy(url: str, proc: mp.Process, timeout: float = 300) -> None:
     raise SystemExit(f"{url} did not become healthy in {timeout:.0f} s")
 
 
-def mean_batch_size(url: str) -> float:
+def counters(url: str) -> dict[str, float]:
+    """WDE's batch, token and device-time counters from /metrics."""
     text = httpx.get(f"{url}/metrics").text
-    total = float(re.search(r"^wde_batch_size_sum (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
-    count = float(re.search(r"^wde_batch_size_count (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
-    return total / count if count else 0.0
+    names = ("wde_batch_size_sum", "wde_batch_size_count", "wde_prompt_tokens_total", "wde_device_seconds_total")
+    found = {n: re.search(rf"^{n} (\S+)$", text, re.M) for n in names}
+    return {n: float(m.group(1)) if m else 0.0 for n, m in found.items()}
 
 
-def run_one(name: str, target, args: tuple, texts: list[str], clients: int) -> tuple[LoadResult, float | None, list]:
+def run_server(name: str, target, args: tuple, texts: list[str], sweep: list[tuple[int, int]]
+               ) -> tuple[dict[tuple[int, int], LoadResult], list]:
+    """Start one server, run every (clients, texts per request) load against it, stop it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = mp.get_context("spawn").Process(target=target, args=(port, *args), daemon=True)
     proc.start()
+    results = {}
     try:
         wait_healthy(url, proc)
         sample = httpx.post(f"{url}/v1/embeddings", json={"input": texts[:4], "truncate": True}, timeout=120).json()["data"]
-        asyncio.run(load(url, texts[:clients], clients))  # warm-up
-        result = asyncio.run(load(url, texts, clients))
-        batch = mean_batch_size(url) if name == "wde" else None
+        for clients, per_request in sweep:
+            asyncio.run(load(url, texts[:clients * per_request], clients, per_request))  # warm-up
+            before = counters(url) if name == "wde" else None
+            result = asyncio.run(load(url, texts, clients, per_request))
+            if before is not None:
+                after = counters(url)
+                delta = {k: after[k] - before[k] for k in after}
+                result.tokens = delta["wde_prompt_tokens_total"] / result.seconds
+                result.busy = delta["wde_device_seconds_total"] / result.seconds
+                result.batch = delta["wde_batch_size_sum"] / max(delta["wde_batch_size_count"], 1)
+            results[(clients, per_request)] = result
+            extra = (f"  {result.tokens:9.0f} tok/s  busy {result.busy:4.0%}  mean batch {result.batch:6.1f}"
+                     if result.tokens is not None else "")
+            print(f"{name:>6} clients {clients:5d} x {per_request:3d} texts: {result.rps:8.1f} req/s"
+                  f" {result.inputs / result.seconds:9.1f} inputs/s  p50 {result.percentile(50):8.1f} ms"
+                  f"  p99 {result.percentile(99):8.1f} ms  failures {result.failures}{extra}", flush=True)
     finally:
         proc.terminate()
         proc.join(30)
-    print(f"{name:>6}: {result.rps:8.1f} req/s  p50 {result.percentile(50):8.1f} ms"
-          f"  p99 {result.percentile(99):8.1f} ms  failures {result.failures}" + (f"  mean batch {batch:.1f}" if batch is not None else ""))
-    return result, batch, [d["embedding"] for d in sample]
+    return results, [d["embedding"] for d in sample]
+
+
+def int_list(value: str) -> list[int]:
+    return [int(x) for x in value.split(",") if x.strip()]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model folder (default: the packaged all-MiniLM-L6-v2)")
     parser.add_argument("--workflow", default=None, help="WDE workflow (default: chosen from the model)")
-    parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--clients", type=int_list, default=[64], help="comma-separated, e.g. 1,64,256,1024")
+    parser.add_argument("--texts-per-request", type=int_list, default=[1], help="comma-separated, e.g. 1,32")
+    parser.add_argument("--requests", type=int, default=2000, help="texts sent per load (per sweep point)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the sentence-transformers server")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     model = args.model or default_model()
     texts = sentences(args.requests)
-    print(f"{args.requests} single-text requests, {args.clients} concurrent clients, model {model}")
-    ours, _, our_sample = run_one("wde", serve_wde, (args.workflow, model), texts, args.clients)
+    sweep = [(c, k) for k in args.texts_per_request for c in args.clients]
+    print(f"{args.requests} texts per load, clients {args.clients}, texts per request {args.texts_per_request},"
+          f" model {model}")
+    ours, our_sample = run_server("wde", serve_wde, (args.workflow, model), texts, sweep)
     if args.no_baseline:
         return
-    naive, _, naive_sample = run_one("naive", serve_naive, (model,), texts, args.clients)
+    naive, naive_sample = run_server("naive", serve_naive, (model,), texts, sweep)
     diff = float(np.abs(np.array(our_sample) - np.array(naive_sample)).max())
-    print(f"throughput ratio wde/naive: {ours.rps / naive.rps:.2f}x  (p50 latency ratio"
-          f" {statistics.median(naive.latencies) / statistics.median(ours.latencies):.2f}x;"
-          f" max |embedding diff| {diff:.1e})")
+    for point in sweep:
+        a, b = ours[point], naive[point]
+        print(f"clients {point[0]:5d} x {point[1]:3d} texts: throughput ratio wde/naive {a.rps / b.rps:.2f}x"
+              f"  (p50 latency ratio {statistics.median(b.latencies) / statistics.median(a.latencies):.2f}x)")
+    print(f"max |embedding diff| {diff:.1e}")
 
 
 if __name__ == "__main__":

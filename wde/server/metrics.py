@@ -33,6 +33,8 @@ class ServerMetrics:
         self.batch_tokens = Histogram("wde_batch_tokens", "tokens per server-formed batch",
                                       buckets=tuple(2 ** i for i in range(4, 17)), registry=r)
         self.prompt_tokens = Counter("wde_prompt_tokens", "prompt tokens processed", registry=r)
+        self.device_seconds = Counter("wde_device_seconds", "seconds batches spent on the device, copies included"
+                                      " (busy fraction = rate(wde_device_seconds_total[1m]))", registry=r)
         self.inputs = Counter("wde_inputs", "inputs processed (one request may carry many)", registry=r)
         self.queue_depth = Gauge("wde_queue_depth", "inputs waiting to be scheduled", registry=r)
         self.pending = Gauge("wde_pending_inputs", "inputs accepted and not answered yet", registry=r)
@@ -55,6 +57,7 @@ class ServerMetrics:
         self.batch_size.observe(stats.num_requests)
         self.batch_tokens.observe(stats.num_tokens)
         self.prompt_tokens.inc(stats.num_tokens)
+        self.device_seconds.inc(stats.seconds)
         self.inputs.inc(stats.num_requests)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
