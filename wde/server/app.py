@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from contextlib import asynccontextmanager
@@ -68,6 +69,17 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
+def _log_to_stderr() -> None:
+    """The server's own log lines (failed requests with their ids and tracebacks, restarts, hints) on stderr,
+    timestamped, at INFO; where logging is already set up (a library user's, a test runner's) it is left alone."""
+    log = logging.getLogger("wde")
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
@@ -83,6 +95,7 @@ def run_server(config: ServerConfig) -> None:
     """
     import uvicorn
 
+    _log_to_stderr()
     engine = Engine.from_workflow(config.workflow, config.model, overrides=config.overrides,
                                   trust_remote_code=config.trust_remote_code)
     with engine:
