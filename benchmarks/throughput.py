@@ -5,7 +5,13 @@ the workload, so the figure is comparable. CPU default: the bundled all-MiniLM-L
 model at real size (e.g. `--size xlmr-large`), since speed does not depend on weight values.
 
     python benchmarks/throughput.py                          # CPU, MiniLM, fp32
+    python benchmarks/throughput.py --dtype bfloat16         # WDE in bf16 vs sentence-transformers in fp32
     python benchmarks/throughput.py --size xlmr-large --device cuda --dtype float16 --n 20000
+
+`--dtype` is WDE's dtype. sentence-transformers runs in `--st-dtype`: `auto` keeps it in float32 on CPU (the
+baseline users run there) and in WDE's dtype on CUDA (same-precision speed comparison). The agreement line is
+always against float32 sentence-transformers vectors: when it ran in another dtype, an extra float32 pass on
+the first `--agreement-n` sentences (not timed) gives them.
 """
 
 from __future__ import annotations
@@ -72,7 +78,11 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model folder (default: bundled all-MiniLM-L6-v2)")
     ap.add_argument("--size", choices=sorted(SIZES), default=None, help="random weights at this real size instead")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="WDE's dtype")
+    ap.add_argument("--st-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                    help="sentence-transformers' dtype (auto: float32 on CPU, --dtype on CUDA)")
+    ap.add_argument("--agreement-n", type=int, default=2000,
+                    help="sentences for the float32 reference when sentence-transformers ran in another dtype")
     ap.add_argument("--n", type=int, default=2000, help="number of sentences")
     ap.add_argument("--mean-words", type=int, default=30)
     ap.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers encode batch size")
@@ -94,13 +104,14 @@ def main() -> None:
     if args.size:
         path = random_model(args.size, base, Path(tempfile.mkdtemp(prefix="wde-bench-")))
     texts = sentences(args.n, args.mean_words)
-    dtype = getattr(torch, args.dtype)
+    st_dtype_name = args.st_dtype if args.st_dtype != "auto" else \
+        (args.dtype if args.device.startswith("cuda") else "float32")
 
     engine = Engine.from_workflow(args.workflow, path, dtype=args.dtype, device=args.device, overrides=args.overrides,
                                   attention={"name": args.attention, "params": {}},
                                   scheduler={"params": {"max_num_batched_tokens": int(args.max_batched_tokens) if args.max_batched_tokens.isdigit() else "auto", "max_num_requests": 1024}},
                                   executor={"name": args.executor, "params": {}})
-    st = SentenceTransformer(str(path), device=args.device, model_kwargs={"torch_dtype": dtype})
+    st = SentenceTransformer(str(path), device=args.device, model_kwargs={"dtype": getattr(torch, st_dtype_name)})
     max_len = min(engine.max_length, st.max_seq_length)
     n_tokens = sum(len(ids) for ids in st.tokenizer(texts, truncation=True, max_length=max_len)["input_ids"])
 
@@ -124,14 +135,21 @@ def main() -> None:
             best[name] = min(best[name], time.perf_counter() - t0)
 
     a, b = outs["wde"].astype(np.float32), outs["sentence-transformers"].astype(np.float32)
+    if st_dtype_name != "float32":  # the agreement is always against float32 vectors
+        del st
+        m = min(args.agreement_n, len(texts))
+        ref = SentenceTransformer(str(path), device=args.device, model_kwargs={"dtype": torch.float32})
+        a, b = a[:m], ref.encode(texts[:m], batch_size=args.st_batch_size, convert_to_numpy=True).astype(np.float32)
     cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or platform.machine()
     print(f"machine: {gpu}, {os.cpu_count()} cpus, torch {torch.__version__}")
-    print(f"model: {args.size or path.name} ({args.dtype}, {args.device}); workload: {args.n} sentences, {n_tokens} tokens")
-    for name in ("sentence-transformers", "wde"):
-        print(f"{name:>22}: {best[name]:8.3f} s  {n_tokens / best[name]:10.0f} tokens/s  {args.n / best[name]:8.1f} sentences/s")
+    print(f"model: {args.size or path.name} ({args.device}; wde {args.dtype}, sentence-transformers {st_dtype_name});"
+          f" workload: {args.n} sentences, {n_tokens} tokens")
+    for name, dt in (("sentence-transformers", st_dtype_name), ("wde", args.dtype)):
+        print(f"{name:>22}: {best[name]:8.3f} s  {n_tokens / best[name]:10.0f} tokens/s  {args.n / best[name]:8.1f} sentences/s  ({dt})")
     print(f"ratio wde / sentence-transformers: {best['sentence-transformers'] / best['wde']:.2f}x")
-    print(f"agreement: min cosine {cos.min():.6f}, max abs diff {np.abs(a - b).max():.2e}")
+    print(f"agreement of wde ({args.dtype}) with float32 sentence-transformers over {len(cos)} sentences:"
+          f" min cosine {cos.min():.6f}, mean {cos.mean():.6f}, max abs diff {np.abs(a - b).max():.2e}")
     engine.close()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -15,3 +16,47 @@ def default_device() -> torch.device:
     if forced:
         return torch.device(forced)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+CPUINFO_PATH = "/proc/cpuinfo"
+"""Where the CPU's feature flags are read from (Linux); tests point it at a fake file."""
+
+FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""x86 flags that give native bfloat16 dot products (AVX512-BF16 on Zen 4+ / Cooper Lake+, AMX on Sapphire Rapids+)."""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The feature flags of the first CPU in /proc/cpuinfo (`flags`, or `Features` on ARM); empty when unreadable."""
+    try:
+        with open(CPUINFO_PATH, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when this CPU computes bfloat16 dot products natively (avx512_bf16 or amx_bf16): a CPU model in
+    bfloat16 then runs its GEMMs at up to twice the fp32 FMA rate (AMX: more) instead of emulating them."""
+    return any(flag in cpu_flags() for flag in FAST_BF16_FLAGS)
+
+
+_bf16_hint_logged = False
+
+
+def suggest_cpu_bf16(device: torch.device, dtype: torch.dtype) -> bool:
+    """Log, once per process, an INFO line when a model is built in float32 on a CPU with native bfloat16.
+    Returns whether it logged."""
+    global _bf16_hint_logged
+    if _bf16_hint_logged or device.type != "cpu" or dtype != torch.float32 or not cpu_has_fast_bf16():
+        return False
+    _bf16_hint_logged = True
+    flags = "/".join(f for f in FAST_BF16_FLAGS if f in cpu_flags())
+    logging.getLogger("wde.device").info(
+        "this CPU has native bfloat16 (%s) and the model runs in float32: --set model.params.dtype=bfloat16"
+        " (Python: dtype=\"bfloat16\") is usually much faster (2.5x for all-MiniLM-L6-v2 on Zen 5) at a cosine of"
+        " about 0.9998 to the float32 vectors (docs/benchmarks.md)", flags)
+    return True

@@ -85,12 +85,52 @@ class SentencePoolerParams(Params):
     """auto: true when the model's modules.json has a Normalize module."""
 
 
-_ST_MODES = {
+# sentence-transformers' pooling mode names -> WDE's. Its other modes (mean_sqrt_len_tokens, weightedmean) and
+# concatenations of several modes are refused when the model is loaded, never silently pooled another way.
+_ST_MODES: dict[str, PoolingMode] = {"cls": "cls", "mean": "mean", "max": "max", "lasttoken": "last"}
+_ST_KNOWN_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
+# sentence-transformers < 5 wrote one boolean key per mode; >= 5 writes `"pooling_mode": "mean"` (a name, or a
+# list of names to concatenate) plus `include_prompt`, and reads both forms.
+_ST_LEGACY_KEYS = {
     "pooling_mode_cls_token": "cls",
-    "pooling_mode_mean_tokens": "mean",
     "pooling_mode_max_tokens": "max",
-    "pooling_mode_lasttoken": "last",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
 }
+
+
+def st_pooling_mode(cfg: dict, where: str) -> PoolingMode:
+    """WDE's pooling mode for a sentence-transformers `Pooling/config.json` in either format.
+
+    Follows sentence-transformers' own reading: `pooling_mode` wins over the legacy boolean keys, and a config
+    that names no mode at all means "mean" (its default). `where` names the file in errors.
+    """
+    override = " (or set pooler.params.pooling explicitly)"
+    supported = ", ".join(_ST_MODES)
+    if "pooling_mode" in cfg:
+        raw = cfg["pooling_mode"]
+        if isinstance(raw, str):
+            names = [raw]
+        elif isinstance(raw, (list, tuple)) and raw and all(isinstance(m, str) for m in raw):
+            names = list(raw)
+        else:
+            raise ModelLoadError(f"{where}: pooling_mode must be a mode name or a list of them, got {raw!r}{override}")
+    else:
+        names = [mode for key, mode in _ST_LEGACY_KEYS.items() if cfg.get(key)] or ["mean"]
+    for name in names:
+        if name not in _ST_KNOWN_MODES:
+            raise ModelLoadError(f"{where}: unknown pooling mode {name!r}; WDE supports {supported}{override}")
+    if len(names) > 1:
+        raise ModelLoadError(f"{where}: pooling concatenates the modes {names}; WDE pools with exactly one"
+                             f" of {supported}{override}")
+    if names[0] not in _ST_MODES:
+        raise ModelLoadError(f"{where}: pooling mode {names[0]!r} is not supported; WDE supports {supported}{override}")
+    if cfg.get("include_prompt", True) is False:
+        raise ModelLoadError(f"{where}: include_prompt is false (prompt tokens left out of the pooling), which WDE"
+                             f" does not support; it pools over every token, prompt included{override}")
+    return _ST_MODES[names[0]]
 
 
 class SentencePooler(Component):
@@ -118,10 +158,7 @@ class SentencePooler(Component):
             raise ModelLoadError(
                 f"pooler.params.pooling is 'auto' but {ctx.source.path} has no sentence-transformers Pooling config;"
                 " set pooler.params.pooling to one of cls, mean, max, last, all")
-        modes = [mode for key, mode in _ST_MODES.items() if cfg.get(key)]
-        if len(modes) != 1:
-            raise ModelLoadError(f"the model's Pooling config enables {modes or 'no'} modes; WDE needs exactly one")
-        return modes[0]
+        return st_pooling_mode(cfg, str(folder / "config.json"))
 
     def forward(self, hidden: torch.Tensor, batch: ModelInput) -> Pooled:
         if self.mode == "all":

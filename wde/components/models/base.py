@@ -12,7 +12,7 @@ from wde.components.attention.base import AttentionBackend
 from wde.components.base import BuildContext, Component, Params
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.loader import load_weights
-from wde.device import default_device
+from wde.device import default_device, suggest_cpu_bf16
 from wde.errors import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -68,6 +68,8 @@ class PrefillModel(nn.Module, Component):
         self.config = ctx.source.hf_config
         self.device = resolve_device(params.device)
         self.dtype = resolve_dtype(params.dtype, self.device)
+        if params.dtype == "auto":  # an explicit float32 is the user's choice: no hint then
+            suggest_cpu_bf16(self.device, self.dtype)
         self.attn_backend: AttentionBackend = ctx.attention
         self.causal = self.attn_backend.resolve_causal(self.default_causal)
         with torch.device(self.device), _default_dtype(self.dtype):
