@@ -315,3 +315,19 @@ def test_a_crashing_loop_restarts_and_run_server_exits_after_repeated_crashes(mi
         assert post(url, "/v1/embeddings", {"input": "crash again"}).status_code == 503
     thread.join(30)
     assert not thread.is_alive() and len(outcome) == 1 and isinstance(outcome[0], EngineFailed)
+
+
+def test_clients_reusing_one_request_id_all_get_their_answers(servers: dict[str, str]) -> None:
+    url = servers["embedder"]
+    texts = [f"same id, text {i}" for i in range(24)]
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(client.post(f"{url}/embed", json={"inputs": t},
+                                                      headers={"x-request-id": "dup"}) for t in texts))
+
+    responses = asyncio.run(asyncio.wait_for(burst(), 60))
+    assert [r.status_code for r in responses] == [200] * len(texts)
+    assert all(r.headers["x-request-id"] == "dup" for r in responses)
+    one = post(url, "/embed", {"inputs": texts[5]}).json()[0]
+    assert responses[5].json()[0] == pytest.approx(one, abs=1e-6)  # each caller got its own text's vector

@@ -103,7 +103,7 @@ class AsyncEngine:
 
         Raises `RequestError` (naming the input, see `InputNames`) for invalid input, `EngineOverloaded` or
         `EngineUnavailable` (`EngineRestarted` when the loop failed while waiting); a request our code failed on
-        comes back with an error of kind "internal". Engine request ids are `{request_id}-{i}`. Cancelling the
+        comes back with an error of kind "internal". Engine request ids are `{request_id}.{n}-{i}`. Cancelling the
         await aborts the requests that have not been scheduled yet.
         """
         if not self.healthy:
@@ -113,7 +113,8 @@ class AsyncEngine:
                                    f" the limit is {self.max_concurrent_requests}; retry later")
         per_input = [params] * len(inputs) if isinstance(params, PoolingParams) else list(params)
         names = input_names(fields, len(inputs))
-        prefix = request_id or f"srv-{next(self._ids)}"
+        # Unique even when clients reuse an id (x-request-id is theirs to choose): a clash would orphan a future.
+        prefix = f"{request_id or 'srv'}.{next(self._ids)}"
         requests = [self.engine.make_request(x, p, f"{prefix}-{i}", names[i])
                     for i, (x, p) in enumerate(zip(inputs, per_input))]
         loop = asyncio.get_running_loop()
