@@ -8,7 +8,6 @@ import asyncio
 import json
 import logging
 import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -17,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests import faults, tiny_heads
-from tests.test_server import free_port, metric, serve
+from tests.test_server import free_port, metric, serve, wait_healthy
 from tests.test_server_tasks import cross_encoder_path  # noqa: F401 - a fixture
 from wde import Engine
 from wde.server import ServerConfig
@@ -297,15 +296,7 @@ def test_a_crashing_loop_restarts_and_run_server_exits_after_repeated_crashes(mi
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and thread.is_alive(), f"server did not start: {outcome}"
-        time.sleep(0.05)
+    wait_healthy(url, thread.is_alive)
     crashed = post(url, "/v1/embeddings", {"input": "crash please"})
     assert crashed.status_code == 503 and "retrying it is safe" in crashed.json()["error"]["message"]
     assert post(url, "/v1/embeddings", {"input": "good"}).status_code == 200

@@ -7,29 +7,20 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 
-from tests.test_server import free_port
+from tests.test_server import free_port, wait_healthy
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0() -> None:
     port = free_port()
     env = {**os.environ, "WDE_DEVICE": "cpu"}
     proc = subprocess.Popen([sys.executable, "-m", "wde.cli", "serve", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
-            time.sleep(0.1)
+        wait_healthy(url, lambda: proc.poll() is None)
 
         async def wave() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=60) as client:

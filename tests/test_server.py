@@ -10,7 +10,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 import numpy as np
@@ -47,6 +47,19 @@ def serve(engine: Engine, **config: object) -> Iterator[tuple[str, object]]:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def wait_healthy(url: str, alive: Callable[[], bool], timeout: float = 120) -> None:
+    """Poll `url`/health until it answers 200; fail if `alive()` turns false or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert alive() and time.monotonic() < deadline, f"the server at {url} did not become healthy"
+        time.sleep(0.05)
 
 
 def metric(base: str, name: str, **labels: str) -> float:
