@@ -105,8 +105,7 @@ class FaultPooler(SentencePooler):
         return super().forward(hidden, batch)
 
 
-class FaultRunnerParams(Params):
-    poison: str = "poison"
+class FaultRunnerParams(PoisonParams):
     fail_every: int = Field(0, ge=0, description="fail every Nth batch (a transient fault); 0: never")
 
 

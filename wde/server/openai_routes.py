@@ -9,9 +9,9 @@ import numpy as np
 from fastapi import APIRouter, Request
 
 from wde.request import PoolingParams
-from wde.server.responses import JSONResponse
 from wde.server.errors import ApiError
-from wde.server.protocol import item_names, EmbeddingRequest, PoolingRequest, body_schema, embed_items, parse, read_json
+from wde.server.protocol import EmbeddingRequest, PoolingRequest, body_schema, embed_items, item_names, parse, read_json
+from wde.server.responses import JSONResponse
 from wde.server.service import Result, Service, to_json
 
 router = APIRouter()

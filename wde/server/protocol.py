@@ -187,20 +187,21 @@ async def read_json(request: Request) -> Any:
         raise ApiError("bad_json", "the request body is nested too deeply to be a request") from None
 
 
+def _is_one_input(value: Any) -> bool:
+    """OpenAI/TEI `input(s)` holding a single input: one text or one token-id list."""
+    return isinstance(value, str) or bool(value) and all(isinstance(x, int) for x in value)
+
+
 def item_names(field: str, value: Any) -> list[str]:
     """How errors name the inputs of `field`: the field itself for one text (or one token-id list), else
     `field[i]` (a list of one text included, so the name points at the element that is wrong)."""
-    if isinstance(value, str) or (value and all(isinstance(x, int) for x in value)):
-        return [field]
-    return [f"{field}[{i}]" for i in range(len(value))]
+    return [field] if _is_one_input(value) else [f"{field}[{i}]" for i in range(len(value))]
 
 
 def embed_items(value: Any) -> list[Any]:
     """OpenAI/TEI `input(s)`: one text, token ids, or a list of either, as a list of engine inputs."""
-    if isinstance(value, str):
-        return [value]
-    if value and all(isinstance(x, int) for x in value):
-        return [{"token_ids": list(value)}]
+    if _is_one_input(value):
+        return [value if isinstance(value, str) else {"token_ids": list(value)}]
     return [x if isinstance(x, str) else {"token_ids": list(x)} for x in value]
 
 

@@ -11,8 +11,8 @@ import uuid
 from fastapi import APIRouter, Request
 
 from wde.request import PoolingParams
-from wde.server.responses import JSONResponse
 from wde.server.protocol import Document, RerankRequest, TeiRerankRequest, body_schema, parse, read_json
+from wde.server.responses import JSONResponse
 from wde.server.service import Result, Service, scalar
 
 router = APIRouter()

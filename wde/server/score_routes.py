@@ -9,9 +9,9 @@ import numpy as np
 from fastapi import APIRouter, Request
 
 from wde.request import PoolingParams
-from wde.server.responses import JSONResponse
 from wde.server.errors import ApiError
-from wde.server.protocol import item_names, ClassifyRequest, ScoreRequest, body_schema, parse, read_json
+from wde.server.protocol import ClassifyRequest, ScoreRequest, body_schema, item_names, parse, read_json
+from wde.server.responses import JSONResponse
 from wde.server.service import Service, scalar
 
 router = APIRouter()

@@ -13,10 +13,10 @@ from fastapi import APIRouter, Request
 import wde
 from wde.errors import RequestError
 from wde.request import PoolingParams
-from wde.server.responses import JSONResponse
 from wde.server.errors import ApiError, error_response
-from wde.server.protocol import (item_names, TeiEmbedRequest, TeiPredictRequest, TeiSparseRequest, TeiTokenizeRequest, body_schema,
-                                 embed_items, parse, read_json)
+from wde.server.protocol import (TeiEmbedRequest, TeiPredictRequest, TeiSparseRequest, TeiTokenizeRequest, body_schema,
+                                 embed_items, item_names, parse, read_json)
+from wde.server.responses import JSONResponse
 from wde.server.service import Service, api_error, scalar
 
 router = APIRouter()
@@ -117,9 +117,9 @@ async def tokenize(request: Request) -> JSONResponse:
         raise ApiError("unsupported", "this workflow's tokenizer does not expose a Hugging Face tokenizer")
     check = getattr(svc.engine.engine.input_processor, "check_text", None)
     if check is not None:
-        for i, text in enumerate(texts):
+        for text, name in zip(texts, item_names("inputs", body.inputs)):
             try:
-                check(text, "inputs" if isinstance(body.inputs, str) else f"inputs[{i}]")
+                check(text, name)
             except RequestError as e:
                 raise api_error(e) from None
     prompts = getattr(svc.engine.engine.input_processor, "prompts", {})
