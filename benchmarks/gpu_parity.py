@@ -55,6 +55,7 @@ def families(root: Path) -> list[tuple[str, Callable[[], Path], dict[str, Any], 
     bert = lambda: tiny_models.build_bert(root / "bert")  # noqa: E731
     xlmr = lambda: tiny_models.build_xlmr(root / "xlmr")  # noqa: E731
     qwen_tok = tiny_decoders.qwen2_tokenizer(real=False)
+    qwen3_tok = tiny_decoders.qwen3_tokenizer(real=False)
     return [
         ("bert", bert, mean, TEXTS, TRUNCATE),
         ("bge_v1_5", bert, {}, TEXTS, TRUNCATE),
@@ -68,6 +69,8 @@ def families(root: Path) -> list[tuple[str, Callable[[], Path], dict[str, Any], 
         ("xlm_roberta_sequence_classification", lambda: tiny_heads.build_xlmr_classifier(root / "xcls", 5), {}, TEXTS, TRUNCATE),
         ("gte_qwen2", lambda: tiny_decoders.build_qwen2(root / "qwen", qwen_tok), {}, TEXTS, TRUNCATE),
         ("e5_mistral", lambda: tiny_decoders.build_mistral(root / "mistral"), {}, TEXTS, TRUNCATE),
+        ("qwen3_embedding", lambda: tiny_decoders.build_qwen3(root / "qwen3", qwen3_tok, causal_lm=True), {}, TEXTS, TRUNCATE),
+        ("qwen3_reranker", lambda: tiny_decoders.build_qwen3(root / "qwen3-rr", qwen3_tok, causal_lm=True, tie_word_embeddings=True), {}, PAIRS, TRUNCATE),
         ("llm2vec", lambda: tiny_decoders.build_mistral(root / "mistral-bi"), {}, TEXTS, TRUNCATE),
         ("decoder_features", lambda: tiny_decoders.build_llama(root / "llama"), {}, TEXTS, TRUNCATE),
     ]

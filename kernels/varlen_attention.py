@@ -5,6 +5,10 @@ program handles one (query block, sequence, query head) and streams the key/valu
 with an online softmax, accumulating in fp32. GQA maps query head h to key/value head h // (Hq // Hkv).
 Programs whose query block starts past the end of their sequence exit at once; that waste is bounded by the
 grid being sized by the longest sequence.
+
+An optional additive bias (e.g. T5's relative position bias) is read per tile from a `[heads, L, L]` tensor
+shared by all sequences or a `[num_seqs, heads, L, L]` one (positions counted within each sequence) and added
+to the scaled scores before the online softmax.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import triton.language as tl
 from kernels import check_device
 
 LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)
 MAX_HEAD_DIM = 128
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -26,10 +31,11 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 @triton.jit
 def _varlen_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_bs, stride_bh, stride_bm, stride_bn,
     qk_scale, head_dim, group,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0)
@@ -54,6 +60,7 @@ def _varlen_fwd_kernel(
         q = q.to(tl.float32)
     k_base = k_ptr + seq_start * stride_kt + kv_head * stride_kh
     v_base = v_ptr + seq_start * stride_vt + kv_head * stride_vh
+    b_base = bias_ptr + seq.to(tl.int64) * stride_bs + head * stride_bh + offs_m[:, None] * stride_bm
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -70,6 +77,10 @@ def _varlen_fwd_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        if HAS_BIAS:
+            # Scores are in log2 units (qk_scale includes log2(e)), so the bias is too.
+            b = tl.load(b_base + cols[None, :] * stride_bn, mask=m_valid[:, None] & n_valid[None, :], other=0.0)
+            s += b.to(tl.float32) * LOG2E_C
         keep = n_valid[None, :]
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
@@ -109,9 +120,26 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
     check_device(INTERPRETED, q, k, v, cu_seqlens)
 
 
+def _check_bias(bias: torch.Tensor, q: torch.Tensor, num_seqs: int, max_seqlen: int) -> None:
+    hq = q.shape[1]
+    if bias.dim() not in (3, 4) or bias.shape[-3] != hq:
+        raise ValueError(f"bias must be [{hq}, L, L] or [num_seqs, {hq}, L, L], got {tuple(bias.shape)}")
+    if bias.dim() == 4 and bias.shape[0] != num_seqs:
+        raise ValueError(f"per-sequence bias has {bias.shape[0]} rows for {num_seqs} sequences")
+    if min(bias.shape[-2:]) < max_seqlen:
+        raise ValueError(f"bias covers {tuple(bias.shape[-2:])} positions, max_seqlen is {max_seqlen}")
+    if bias.dtype not in DTYPES:
+        raise ValueError(f"bias dtype must be one of {DTYPES}, got {bias.dtype}")
+    check_device(INTERPRETED, q, bias)
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int, causal: bool, scale: float | None = None) -> torch.Tensor:
+                     max_seqlen: int, causal: bool, scale: float | None = None,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of packed q [T, Hq, D] over k/v [T, Hkv, D]; returns [T, Hq, D] in q's dtype.
+
+    `bias`, if given, is added to the scaled scores: `[Hq, L, L]` shared by every sequence or
+    `[num_seqs, Hq, L, L]`, with L >= max_seqlen and positions counted within each sequence.
 
     Inputs may be strided views (e.g. slices of a fused qkv projection) as long as the last dim is contiguous.
     fp32 inputs use IEEE-precision dots (no TF32) so results match a float32 reference. Triton's interpreter
@@ -124,6 +152,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     num_seqs = cu_seqlens.shape[0] - 1
     if t == 0 or num_seqs == 0:
         return out
+    if bias is not None:
+        _check_bias(bias, q, num_seqs, max_seqlen)
+        strides = (bias.stride(0) if bias.dim() == 4 else 0, *bias.stride()[-3:])
+    else:
+        strides = (0, 0, 0, 0)
     scale = d ** -0.5 if scale is None else scale
     block = max(16, min(64, triton.next_power_of_2(max_seqlen)))
     upcast = INTERPRETED and q.dtype == torch.bfloat16
@@ -132,10 +165,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     block_n = 32 if q.dtype == torch.float32 and block_d > 64 else block
     grid = (math.ceil(max_seqlen / block), num_seqs, hq)
     _varlen_fwd_kernel[grid](
-        q, k, v, out, cu_seqlens,
+        q, k, v, out, cu_seqlens, q if bias is None else bias,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        *strides,
         scale * LOG2E, d, hq // k.shape[1],
-        CAUSAL=bool(causal), PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+        CAUSAL=bool(causal), HAS_BIAS=bias is not None, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
         BLOCK_M=block, BLOCK_N=min(block, block_n), BLOCK_D=block_d,
         num_warps=4 if block_d <= 64 else 8,
     )

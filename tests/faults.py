@@ -12,6 +12,7 @@ texts longer than `hold_chars` until `HOLD` is set, to prove a slow tokenization
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Sequence
 
 import torch
@@ -27,10 +28,12 @@ from wde.components.runner import TorchRunner
 from wde.components.scheduler import FCFSParams, FCFSScheduler, SchedulerOutput
 from wde.components.tokenizer import HFTokenizer, HFTokenizerParams
 from wde.registry import get_registry
-from wde.request import TextPrompt
+from wde.request import TextPrompt, TokensPrompt
 
 HOLD = threading.Event()
 """Released (set) by a test when the held tokenizations may finish."""
+SLOW_S = 3.0
+"""How long `fault_bert` takes on a batch carrying the word "slow"."""
 
 
 class InjectedFault(RuntimeError):
@@ -81,9 +84,12 @@ class FaultBert(BertModel):
     def __init__(self, params: Any, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
         self._poison = poison_id(ctx, "poison")
+        self._slow = poison_id(ctx, "slow")
 
     def forward(self, batch: ModelInput) -> torch.Tensor:
         check(batch.input_ids, self._poison, "model")
+        if bool((batch.input_ids == self._slow).any()):
+            time.sleep(SLOW_S)  # a batch that keeps the device busy (works across processes, unlike HOLD)
         return super().forward(batch)
 
 
@@ -167,10 +173,19 @@ class FaultScheduler(FCFSScheduler):
     name = "fault_fcfs"
     Params = FaultSchedulerParams
 
+    def __init__(self, params: FaultSchedulerParams, ctx: BuildContext) -> None:
+        super().__init__(params, ctx)
+        self._crash_id = poison_id(ctx, params.crash_word)
+
     def schedule(self) -> SchedulerOutput:
-        if any(self.params.crash_word in getattr(r.prompt, "text", "") for r in list(self._waiting)):
+        if any(self._crashes(r.prompt) for r in list(self._waiting)):
             raise InjectedFault("injected crash in the scheduler")
         return super().schedule()
+
+    def _crashes(self, prompt: Any) -> bool:
+        if isinstance(prompt, TokensPrompt):  # tokenized by an API server (wde serve --api-servers N)
+            return self._crash_id in prompt.token_ids
+        return self.params.crash_word in getattr(prompt, "text", "")
 
 
 FAULT_COMPONENTS = (FaultTokenizer, FaultBert, FaultPooler, FaultRunner, FaultScheduler, FaultInputBuilder,

@@ -33,7 +33,7 @@ def test_embed_txt(tmp_path: Path, minilm_path: Path, expected: np.ndarray) -> N
     src = tmp_path / "in.txt"
     src.write_text("\n".join(TEXTS[:2]) + "\n\n" + "\n".join(TEXTS[2:]) + "\n", encoding="utf-8")
     out = tmp_path / "out.npy"
-    result = run("embed", "--model", str(minilm_path), "--input", str(src), "--output", str(out))
+    result = run("embed", "--model", str(minilm_path), "--input", str(src), "--output", str(out), "--skip-blank")
     assert result.exit_code == 0, result.output
     assert f"wrote {len(TEXTS)} x 384 embeddings" in result.output
     got = np.load(out)
@@ -57,7 +57,7 @@ def test_embed_bad_input_is_a_clean_error(tmp_path: Path, minilm_path: Path) -> 
     out = tmp_path / "out.npy"
     result = run("embed", "-m", str(minilm_path), "--input", str(src), "--output", str(out))
     assert result.exit_code == 1
-    assert "input[1]: input must be a string, got int" in result.output
+    assert f"{src}:2: field 'text' (--text-field) must be a string, got int" in result.output
     assert "Traceback" not in result.output and not out.exists()
 
 

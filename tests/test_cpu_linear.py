@@ -1,20 +1,31 @@
 """fp32 linear layers through oneDNN with prepacked weights (the default on AVX-512 CPUs): same outputs as
-PyTorch's own path, and chosen only where it pays."""
+PyTorch's own path, GELU fused into the GEMM before it, and chosen only where it pays and runs, as PyTorch sees
+the CPU."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import logging
+
 import numpy as np
 import pytest
 import torch
+from torch import nn
+from transformers.activations import ACT2FN
 
-from tests.test_cpu_bf16 import SKYLAKE_X, ZEN2_AVX2, ZEN4, fake_cpuinfo
+from tests.test_cpu_bf16 import SAPPHIRE_RAPIDS, fake_cpuinfo
 from tests.tiny_models import varied_texts
 from wde import Engine, device
-from wde.components.models.cpu_linear import PackedLinear, onednn_available, resolve_cpu_linear
+from wde.components.models import cpu_linear
+from wde.components.models.cpu_linear import PackedLinear, onednn_available, onednn_error, pack_linears, resolve_cpu_linear
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN (mkldnn)")
+needs_onednn_bf16 = pytest.mark.skipif(not onednn_available() or onednn_error(torch.bfloat16) is not None,
+                                       reason="oneDNN runs no bfloat16 linear on this CPU")
+AVX2 = {"avx2": True, "avx512_f": False, "avx512_bf16": False, "amx_bf16": False}
+AVX512 = {**AVX2, "avx512_f": True}
+AVX512_BF16 = {**AVX512, "avx512_bf16": True}
 TEXTS = varied_texts(64, seed=3)
 
 
@@ -32,6 +43,8 @@ def test_onednn_linears_match_torch(minilm_path: Path, workflow: str, tmp_path: 
         with Engine.from_workflow(workflow, model, overrides=[f"model.params.cpu_linear={choice}"]) as engine:
             layers = [m for m in engine.components["model"].modules() if isinstance(m, PackedLinear)]
             assert engine.components["model"].linear_backend == choice and bool(layers) == (choice == "onednn")
+            if choice == "onednn":  # MiniLM's 6 intermediate blocks: GELU (erf) fused into their linear layer
+                assert sum(m.post_op == ("gelu", "none") for m in layers) == 6
             outs = engine.encode(inputs, raise_on_error=False)
             results[choice] = np.stack([next(iter(o.outputs.values())) for o in outs])
     assert np.abs(results["onednn"] - results["torch"]).max() <= 1e-5
@@ -51,24 +64,97 @@ def test_onednn_linears_in_a_decoder(tmp_path: Path) -> None:
     assert np.abs(vectors["onednn"] - vectors["torch"]).max() <= 1e-5
 
 
-def test_auto_picks_onednn_only_where_it_pays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_picks_onednn_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     onednn = "onednn" if onednn_available() else "torch"
-    monkeypatch.setattr(device, "CPUINFO_PATH", fake_cpuinfo(tmp_path, ZEN2_AVX2))
-    assert resolve_cpu_linear("auto", cpu, torch.float32) == "torch"  # measured no faster on AVX2 hosts
+    monkeypatch.setattr(cpu_linear, "onednn_bf16_supported", lambda: True)
+    monkeypatch.setattr(cpu_linear, "cpu_capabilities", lambda: AVX2)
+    assert resolve_cpu_linear("auto", cpu, torch.float32) == "torch"  # measured slower on AVX2 hosts
     assert resolve_cpu_linear("auto", cpu, torch.bfloat16) == "torch"
-    monkeypatch.setattr(device, "CPUINFO_PATH", fake_cpuinfo(tmp_path, SKYLAKE_X))  # AVX-512, no native bf16
+    monkeypatch.setattr(cpu_linear, "cpu_capabilities", lambda: AVX512)  # AVX-512, no native bf16
     assert resolve_cpu_linear("auto", cpu, torch.float32) == onednn
     assert resolve_cpu_linear("auto", cpu, torch.bfloat16) == "torch"
-    monkeypatch.setattr(device, "CPUINFO_PATH", fake_cpuinfo(tmp_path, ZEN4))
-    assert resolve_cpu_linear("auto", cpu, torch.bfloat16) == onednn
+    monkeypatch.setattr(cpu_linear, "cpu_capabilities", lambda: AVX512_BF16)
+    runs_bf16 = onednn_available() and onednn_error(torch.bfloat16) is None  # the probe runs on the real CPU
+    assert resolve_cpu_linear("auto", cpu, torch.bfloat16) == ("onednn" if runs_bf16 else "torch")
+    monkeypatch.setattr(cpu_linear, "onednn_bf16_supported", lambda: False)
+    assert resolve_cpu_linear("auto", cpu, torch.bfloat16) == "torch"
     for dev, dtype in ((cpu, torch.float16), (cuda, torch.float32), (cuda, torch.float16), (cuda, torch.bfloat16)):
         assert resolve_cpu_linear("auto", dev, dtype) == "torch"
         assert resolve_cpu_linear("onednn", dev, dtype) == "torch"  # only fp32 / bf16 on a CPU ever take it
     assert resolve_cpu_linear("torch", cpu, torch.float32) == "torch"
 
 
+def test_auto_ignores_cpuinfo_and_falls_back_when_onednn_refuses(
+        tiny_bert: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """/proc/cpuinfo claiming AMX does not make `auto` prepack bf16 (what PyTorch detects decides), and where
+    the detection says yes but oneDNN's kernel refuses, the engine builds on PyTorch's path with one warning."""
+    monkeypatch.setattr(device, "CPUINFO_PATH", fake_cpuinfo(tmp_path, SAPPHIRE_RAPIDS))
+    real = cpu_linear._onednn_pays(torch.bfloat16)
+    assert resolve_cpu_linear("auto", torch.device("cpu"), torch.bfloat16) == (
+        "onednn" if real and onednn_error(torch.bfloat16) is None else "torch")
+    monkeypatch.setattr(cpu_linear, "_onednn_pays", lambda dtype: True)
+    monkeypatch.setattr(cpu_linear, "onednn_error", lambda dtype: "bf16 path needs avx512bw (test)")
+    caplog.set_level(logging.WARNING, logger="wde.models")
+    with Engine.from_workflow("bert", tiny_bert, dtype="bfloat16", device="cpu",
+                              overrides=["pooler.params.pooling=mean"]) as engine:
+        assert engine.components["model"].linear_backend == "torch"
+        assert np.isfinite(engine.embed(["still runs"])).all()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "wde.models"]
+    assert len(warnings) == 1 and "bf16 path needs avx512bw (test)" in warnings[0]
+    with pytest.raises(ValueError, match="cpu_linear=onednn.*bf16 path needs avx512bw"):
+        resolve_cpu_linear("onednn", torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize(("act", "post_op"), [("gelu", ("gelu", "none")), ("gelu_new", ("gelu", "tanh")),
+                                              ("gelu_pytorch_tanh", ("gelu", "tanh")), ("relu", ("relu", ""))])
 @needs_onednn
+def test_fused_activation_matches_unfused(act: str, post_op: tuple[str, str]) -> None:
+    class Intermediate(nn.Module):  # BERT's shape: act(dense(x))
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense, self.intermediate_act_fn = nn.Linear(48, 96), ACT2FN[act]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.intermediate_act_fn(self.dense(x))
+
+    torch.manual_seed(0)
+    block, x = Intermediate().eval(), torch.randn(37, 48)
+    expected = block(x)
+    assert pack_linears(block, 64) == 1
+    assert isinstance(block.dense, PackedLinear) and block.dense.post_op == post_op
+    assert isinstance(block.intermediate_act_fn, nn.Identity)
+    torch.testing.assert_close(block(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_only_a_verified_pair_is_fused() -> None:
+    class ActFirst(nn.Module):  # `dense` + GELU, but applied the other way round: fusing would change it
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense, self.act = nn.Linear(16, 16), nn.GELU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dense(self.act(x))
+
+    class Gated(nn.Module):  # SiLU is no post-op we fuse
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense, self.act = nn.Linear(16, 16), nn.SiLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.dense(x))
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 16)
+    for block in (ActFirst().eval(), Gated().eval()):
+        expected = block(x)
+        assert pack_linears(block, 8) == 1
+        assert block.dense.post_op == ("none", "") and not isinstance(block.act, nn.Identity)
+        torch.testing.assert_close(block(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn_bf16
 def test_onednn_linears_in_bfloat16(minilm_path: Path) -> None:
     vectors = {}
     for choice in ("torch", "onednn"):

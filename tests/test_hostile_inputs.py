@@ -37,7 +37,8 @@ def servers(minilm_path: Path, cross_encoder_path: Path,  # noqa: F811
     bge_m3 = tiny_heads.build_bge_m3(tmp_path_factory.mktemp("bge-m3"))
     specs = {"embedder": ("bert", minilm_path), "reranker": ("cross_encoder", cross_encoder_path),
              "classifier": ("sequence_classification", classifier), "bge_m3": ("bge_m3", bge_m3)}
-    engines = {k: Engine.from_workflow(w, m) for k, (w, m) in specs.items()}
+    overrides = {"embedder": ["pooler.name=sentence_tokens"]}  # /embed_all too
+    engines = {k: Engine.from_workflow(w, m, overrides=overrides.get(k)) for k, (w, m) in specs.items()}
     contexts = {k: serve(e, payload_limit=200_000) for k, e in engines.items()}
     try:
         yield {k: ctx.__enter__()[0] for k, ctx in contexts.items()}
@@ -58,17 +59,28 @@ TEXT_FIELDS = [
     ("embedder", "/score", {"text_1": H, "text_2": ["a", "b"]}, "text_1", {"text_1": "a", "text_2": "b"}),
     ("embedder", "/score", {"text_1": "a", "text_2": ["b", H]}, "text_2[1]", {"text_1": "a", "text_2": "b"}),
     ("embedder", "/tokenize", {"inputs": ["ok", H]}, "inputs[1]", {"inputs": "fine"}),
+    ("embedder", "/v2/embed", {"texts": ["ok", H], "truncate": "NONE"}, "texts[1]", {"texts": ["fine"]}),
+    ("embedder", "/v2/embed", {"inputs": [{"content": [{"type": "text", "text": H}]}], "truncate": "NONE"},
+     "inputs[0].content[0].text", {"texts": ["fine"]}),
+    ("embedder", "/v1/score", {"text_1": "a", "text_2": [H]}, "text_2[0]", {"text_1": "a", "text_2": "b"}),
+    ("embedder", "/embed_all", {"inputs": ["ok", H]}, "inputs[1]", {"inputs": "fine"}),
+    ("embedder", "/similarity", {"inputs": {"source_sentence": H, "sentences": ["a"]}}, "inputs.source_sentence",
+     {"inputs": {"source_sentence": "a", "sentences": ["b"]}}),
+    ("embedder", "/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b", H]}}, "inputs.sentences[1]",
+     {"inputs": {"source_sentence": "a", "sentences": ["b"]}}),
     ("reranker", "/rerank", {"query": H, "documents": ["a", "b"]}, "query", {"query": "q", "documents": ["a"]}),
     ("reranker", "/v1/rerank", {"query": "q", "documents": ["a", H]}, "documents[1]",
      {"query": "q", "documents": ["a"]}),
     ("reranker", "/rerank", {"query": "q", "texts": [H]}, "texts[0]", {"query": "q", "texts": ["a"]}),
+    ("reranker", "/v2/rerank", {"query": "q", "documents": ["a", H]}, "documents[1]",
+     {"query": "q", "documents": ["a"]}),
     ("reranker", "/score", {"text_1": ["a", H], "text_2": ["b", "c"]}, "text_1[1]", {"text_1": "a", "text_2": "b"}),
     ("reranker", "/predict", {"inputs": [["q", H]]}, "inputs[0][1]", {"inputs": ["q", "d"]}),
     ("classifier", "/classify", {"input": ["ok", H]}, "input[1]", {"input": "fine"}),
     ("classifier", "/predict", {"inputs": H}, "inputs", {"inputs": "fine"}),
     ("bge_m3", "/embed_sparse", {"inputs": [H]}, "inputs[0]", {"inputs": "fine"}),
 ]
-TEI = {"/embed", "/embed_sparse", "/tokenize", "/predict"}
+TEI = {"/embed", "/embed_all", "/embed_sparse", "/tokenize", "/predict", "/similarity", "/decode"}
 
 
 def fill(body: Any, value: Any) -> Any:
@@ -157,6 +169,11 @@ def test_odd_but_valid_text_is_served(servers: dict[str, str], text: str) -> Non
     ("/pooling", {"input": "x", "outputs": "dense"}, "outputs"),
     ("/tokenize", {"inputs": "x", "add_special_tokens": "false"}, "add_special_tokens"),
     ("/score", {"text_1": 1, "text_2": "b"}, "text_1"),
+    ("/v2/embed", {"texts": "one text"}, "texts"),
+    ("/v2/embed", {"texts": ["x"], "output_dimension": 64.0}, "output_dimension"),
+    ("/v1/embeddings", {"input": "x", "embed_dtype": 8}, "embed_dtype"),
+    ("/decode", {"ids": [1.0, 2]}, "ids"),
+    ("/decode", {"ids": [1], "skip_special_tokens": 0}, "skip_special_tokens"),
 ])
 def test_no_lenient_coercion(servers: dict[str, str], path: str, body: dict, field: str) -> None:
     r = post(servers["embedder"], path, body)

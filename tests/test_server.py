@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -49,6 +54,39 @@ def serve(engine: Engine, **config: object) -> Iterator[tuple[str, object]]:
         thread.join(30)
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+@contextmanager
+def serve_split(model: Path, api_servers: int, *args: str, log: Path | None = None,
+                stop: bool = True) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`wde serve --api-servers N` (engine core + N API-server processes) as a subprocess, with the fault
+    components of tests/faults.py registered; yields (base url, process) and stops it with SIGTERM after."""
+    port = free_port()
+    log_file = open(log, "wb") if log is not None else tempfile.TemporaryFile()  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "serve_with_faults.py"), "serve", "--model", str(model),
+         "--port", str(port), "--api-servers", str(api_servers), *args],
+        stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_healthy(url, lambda: proc.poll() is None, timeout=300)  # 3 processes load torch on a busy machine
+        except AssertionError:
+            log_file.seek(0)
+            raise AssertionError(f"the split server did not start:\n{log_file.read().decode()[-3000:]}") from None
+        yield url, proc
+    finally:
+        if proc.poll() is None and stop:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log_file.close()
+
+
 def wait_healthy(url: str, alive: Callable[[], bool], timeout: float = 120) -> None:
     """Poll `url`/health until it answers 200; fail if `alive()` turns false or `timeout` passes."""
     deadline = time.monotonic() + timeout
@@ -71,11 +109,28 @@ def metric(base: str, name: str, **labels: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-@pytest.fixture(scope="module")
-def server(minilm_path: Path) -> Iterator[tuple[str, object]]:
+SPLIT = ("api-servers=1", "api-servers=2")
+"""The suite runs against one process and against the engine core split from 1 and 2 API-server processes."""
+
+
+@pytest.fixture(scope="module", params=("one process", *SPLIT))
+def server(request: pytest.FixtureRequest, minilm_path: Path) -> Iterator[tuple[str, object]]:
+    """(url, app); app is None for a split server (its engine lives in another process)."""
+    if request.param in SPLIT:
+        with serve_split(minilm_path, int(request.param[-1]), "--served-model-name", MODEL,
+                         "--max-client-batch-size", "64") as (url, _):
+            yield url, None
+        return
     with Engine.from_workflow("bert", minilm_path) as engine, \
             serve(engine, served_model_name=MODEL, max_client_batch_size=64) as running:
         yield running
+
+
+def in_process(server: tuple[str, object]) -> object:
+    """The app of an in-process server; a split server skips (tests/test_split_server.py covers it there)."""
+    if server[1] is None:
+        pytest.skip("reaches into the in-process engine; tests/test_split_server.py tests this across processes")
+    return server[1]
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +275,7 @@ def test_concurrent_requests_are_batched(url: str, minilm_engine: Engine) -> Non
 
 
 def test_overload_is_429(server: tuple[str, object]) -> None:
-    url, app = server
+    url, app = server[0], in_process(server)
     engine = app.state.service.engine  # type: ignore[attr-defined]
     engine.max_concurrent_requests = 1
     try:
@@ -234,7 +289,7 @@ def test_overload_is_429(server: tuple[str, object]) -> None:
 
 
 def test_disconnect_aborts_without_hurting_others(server: tuple[str, object], minilm_engine: Engine) -> None:
-    url, app = server
+    url, app = server[0], in_process(server)
     engine = app.state.service.engine.engine  # type: ignore[attr-defined]
     build = engine.input_builder.build
     release = threading.Event()
@@ -272,7 +327,7 @@ def test_disconnect_aborts_without_hurting_others(server: tuple[str, object], mi
 
 
 def test_failed_batch_fails_only_its_requests(server: tuple[str, object]) -> None:
-    url, app = server
+    url, app = server[0], in_process(server)
     engine = app.state.service.engine.engine  # type: ignore[attr-defined]
     build = engine.input_builder.build
 

@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.test_server import serve
+from tests.test_server import serve, serve_split
 from wde import Engine, PoolingParams
 
 QUERY = "how many people live in berlin"
@@ -30,12 +30,18 @@ def cross_encoder_path(minilm_path: Path, tmp_path_factory: pytest.TempPathFacto
     return out
 
 
-@pytest.fixture(scope="module")
-def reranker(cross_encoder_path: Path) -> Iterator[tuple[str, Engine]]:
-    with Engine.from_workflow("cross_encoder", cross_encoder_path) as served, \
-            Engine.from_workflow("cross_encoder", cross_encoder_path) as offline, \
-            serve(served, served_model_name="ce", max_client_batch_size=16) as (url, _):
-        yield url, offline
+@pytest.fixture(scope="module", params=("one process", "api-servers=2"))
+def reranker(request: pytest.FixtureRequest, cross_encoder_path: Path) -> Iterator[tuple[str, Engine]]:
+    """Served in one process, and split (API servers tokenize the pairs, token type ids included)."""
+    with Engine.from_workflow("cross_encoder", cross_encoder_path) as offline:
+        if request.param == "api-servers=2":
+            with serve_split(cross_encoder_path, 2, "--workflow", "cross_encoder", "--served-model-name", "ce",
+                             "--max-client-batch-size", "16") as (url, _):
+                yield url, offline
+            return
+        with Engine.from_workflow("cross_encoder", cross_encoder_path) as served, \
+                serve(served, served_model_name="ce", max_client_batch_size=16) as (url, _):
+            yield url, offline
 
 
 def test_rerank_cohere_shape_equals_offline(reranker: tuple[str, Engine]) -> None:

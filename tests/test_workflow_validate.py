@@ -155,7 +155,7 @@ def test_unknown_top_level_key(tmp_path: Path) -> None:
     path = write(tmp_path, "wf.yaml", "name: t\nextends: bert\nschedular:\n  name: fcfs\n")
     issue = only_issue(path)
     assert_at(issue, path, "schedular")
-    assert issue.message == "unknown key 'schedular'"
+    assert issue.message.startswith("unknown key 'schedular'; did you mean 'scheduler'? (keys: name, description,")
 
 
 def test_missing_name_key(tmp_path: Path) -> None:

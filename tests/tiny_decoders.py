@@ -164,3 +164,66 @@ def set_config(path: Path, **values) -> Path:
     cfg.update(values)
     cfg_file.write_text(json.dumps(cfg, indent=2))
     return path
+
+
+QWEN3_ADDED = ["<think>", "</think>"]
+"""Qwen3's reasoning markers: single (non-special) tokens of its vocabulary, used by Qwen3-Reranker's suffix."""
+
+
+def qwen3_tokenizer(real: bool = True, append_eos: bool = False):
+    """A Qwen3 fast tokenizer: Qwen2's vocabulary plus <think>/</think>, adding no special tokens (as Qwen3 and
+    Qwen3-Reranker do) unless `append_eos` (Qwen3-Embedding's tokenizer appends <|endoftext|>).
+
+    "yes" and "no" are single tokens of the real vocabulary; the trained fallback gets them as added tokens.
+    """
+    from transformers import Qwen2TokenizerFast
+
+    tk = _real_qwen2_bpe() if real else None
+    is_real = tk is not None
+    tk = tk or _trained_bpe(QWEN2_SPECIALS)
+    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED])
+    tk.add_tokens([t for t in ("yes", "no") if tk.token_to_id(t) is None])
+    if append_eos:
+        eot = tk.token_to_id("<|endoftext|>")
+        tk.post_processor = processors.TemplateProcessing(
+            single="$A <|endoftext|>", pair="$A <|endoftext|> $B:1 <|endoftext|>:1",
+            special_tokens=[("<|endoftext|>", eot)])
+    tok = Qwen2TokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                             unk_token=None, bos_token=None, model_max_length=512)
+    tok.is_real = is_real
+    return tok
+
+
+def build_qwen3(out: Path, tokenizer, seed: int = 0, causal_lm: bool = False, **config) -> Path:
+    """Qwen3Model (or Qwen3ForCausalLM, as Qwen3-Embedding / -Reranker checkpoints declare), 2 layers, hidden 32,
+    4 query heads over 2 key/value heads of an explicit head_dim 16 (not hidden / heads), RoPE theta 1e6."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+
+    torch.manual_seed(seed)
+    values = dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=64, max_position_embeddings=512,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    cfg = Qwen3Config(**{**values, **config})
+    _randomize((Qwen3ForCausalLM if causal_lm else Qwen3Model)(cfg)).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def add_sentence_transformers_files(path: Path, prompts: dict[str, str]) -> Path:
+    """Qwen3-Embedding's sentence-transformers files: last-token Pooling, Normalize, named prompts."""
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    files = {
+        "modules.json": modules,
+        "1_Pooling/config.json": {"word_embedding_dimension": 32, "pooling_mode": "lasttoken", "include_prompt": True},
+        "config_sentence_transformers.json": {"prompts": prompts, "default_prompt_name": None,
+                                              "similarity_fn_name": "cosine"},
+        "sentence_bert_config.json": {"max_seq_length": 512, "do_lower_case": False},
+    }
+    for name, value in files.items():
+        (path / name).write_text(json.dumps(value, indent=2))
+    return path

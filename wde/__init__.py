@@ -1,9 +1,42 @@
-"""WDE, the Workflow Defined Engine: serve prefill-only transformer models defined by YAML workflows."""
+"""WDE, the Workflow Defined Engine: serve prefill-only transformer models defined by YAML workflows.
 
-from wde.engine import Engine
-from wde.errors import ModelLoadError, RequestError, WorkflowError
-from wde.request import PoolingParams, RequestOutput
-from wde.workflow import load_workflow
+The public names below are imported on first use (PEP 562), so `import wde` — and with it `wde --version`,
+`wde validate`, `wde inspect` and `wde plugins` — never imports torch.
+"""
 
-__all__ = ["Engine", "ModelLoadError", "PoolingParams", "RequestError", "RequestOutput", "WorkflowError", "load_workflow"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time `__getattr__` imports them
+    from wde.engine import Engine  # noqa: F401
+    from wde.errors import ModelLoadError, RequestError, WorkflowError  # noqa: F401
+    from wde.request import PoolingParams, RequestOutput  # noqa: F401
+    from wde.workflow import load_workflow  # noqa: F401
+
+_LAZY: dict[str, str] = {
+    "Engine": "wde.engine",
+    "ModelLoadError": "wde.errors",
+    "PoolingParams": "wde.request",
+    "RequestError": "wde.errors",
+    "RequestOutput": "wde.request",
+    "WorkflowError": "wde.errors",
+    "load_workflow": "wde.workflow",
+}
+
+__all__ = sorted(_LAZY)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'wde' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -15,12 +15,12 @@ import asyncio
 import itertools
 import logging
 import threading
-import time
-from collections import deque
 from typing import Any, Callable, Sequence
 
 from wde.engine import BatchStats, Engine
+from wde.engine_info import EngineInfo
 from wde.request import PoolingParams, RequestOutput
+from wde.restarts import RestartBudget
 
 log = logging.getLogger("wde.async_engine")
 
@@ -37,6 +37,9 @@ class EngineRestarted(EngineUnavailable):
     """The engine loop failed while this request was waiting and was restarted; retrying the request is safe."""
 
 
+RESTARTED = "the engine restarted after an internal error while this request was waiting; retrying it is safe"
+
+
 InputNames = str | Sequence[str | tuple[str, str]]
 """How errors name the inputs: one field name for all (`input`, then `input[i]` when there are several), or
 one name per input, a pair naming each side (e.g. ``("query", "documents[3]")``)."""
@@ -51,13 +54,13 @@ class AsyncEngine:
                  on_batch: Callable[[BatchStats], None] | None = None, *, max_restarts: int = 5,
                  restart_window_s: float = 60.0, on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        self.info = EngineInfo.of(engine)
+        self.tokenizer = engine.tokenizer
+        self.input_processor = engine.input_processor
         self.max_concurrent_requests = max_concurrent_requests
-        self.max_restarts = max_restarts
-        self.restart_window_s = restart_window_s
+        self.restarts = RestartBudget(max_restarts, restart_window_s)
         self.on_fatal = on_fatal
         """Called on the engine thread when the loop gives up (too many restarts, or a non-Exception)."""
-        self.num_restarts = 0
-        self._restarts: deque[float] = deque()
         engine.on_batch = on_batch
         self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[RequestOutput]]] = {}
         self._lock = threading.Lock()
@@ -82,6 +85,10 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._fail_all(EngineUnavailable("the server is shutting down"))
+
+    @property
+    def num_restarts(self) -> int:
+        return self.restarts.used
 
     @property
     def healthy(self) -> bool:
@@ -167,22 +174,16 @@ class AsyncEngine:
     def _restart(self, error: Exception) -> bool:
         """Fail every waiting caller, reset the engine's queues; False when the restart budget is spent."""
         log.error("the engine loop failed (%s: %s); restarting it", type(error).__name__, error, exc_info=error)
-        now = time.monotonic()
-        self._restarts.append(now)
-        while self._restarts and now - self._restarts[0] > self.restart_window_s:
-            self._restarts.popleft()
-        self._fail_all(EngineRestarted("the engine restarted after an internal error while this request was"
-                                       " waiting; retrying it is safe"))
+        self._fail_all(EngineRestarted(RESTARTED))
         self.engine.reset()
-        if len(self._restarts) > self.max_restarts:
+        if not self.restarts.spend():
             self._give_up(error)
             return False
-        self.num_restarts += 1
         return True
 
     def _give_up(self, error: BaseException) -> None:
-        log.critical("the engine loop failed %d times in %.0f s (last: %s: %s); giving up", len(self._restarts),
-                     self.restart_window_s, type(error).__name__, error)
+        log.critical("the engine loop failed %d times in %.0f s (last: %s: %s); giving up", self.restarts.recent,
+                     self.restarts.window_s, type(error).__name__, error)
         self.error = error
         self._fail_all(EngineUnavailable("the engine is not running: it failed repeatedly; see the server log"))
         if self.on_fatal is not None:

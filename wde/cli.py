@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from wde.errors import Issue, Location, ModelLoadError, RegistryError, RequestError, WorkflowError
+from wde.errors import Issue, Location, ModelLoadError, RegistryError, WorkflowError
 
 
 def _workflow_files(paths: tuple[str, ...]) -> list[Path]:
@@ -101,39 +101,77 @@ def plugins(fmt: str) -> None:
             click.echo(f"  {key}: {', '.join(sorted(items))}")
 
 
-def _load_inputs(path: Path) -> list:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    return [line for line in text.splitlines() if line.strip()]
+def _split_list(values: tuple[str, ...]) -> list[str]:
+    return [v.strip() for value in values for v in value.split(",") if v.strip()]
 
 
 @main.command()
+@click.option("--input", "inputs", required=True, multiple=True, metavar="PATH[,PATH…]",
+              help=".jsonl (strings, or objects with --text-field), .parquet (a --text-field column) or .txt (one"
+                   " text a line); repeat or comma-separate for several files")
+@click.option("--output", "output", required=True, metavar="PATH",
+              help="out.parquet (a directory of part-NNNNNN.parquet shards: id + embedding columns) or out.npy"
+                   " (the matrix only)")
+@click.option("--text-field", default="text", show_default=True, help="jsonl key / parquet column with the text")
+@click.option("--id-field", default=None, help="jsonl key / parquet column with the id (default: FILE:LINE)")
+@click.option("--outputs", "outputs", default="dense", show_default=True, metavar="dense[,sparse,colbert]",
+              help="what to write; sparse and colbert need a workflow that makes them (bge_m3)")
 @click.option("--workflow", "-w", default=None, help="workflow file or name (default: chosen from the model)")
 @click.option("--model", "-m", default=None, help="model folder or cached hub id (default: all-MiniLM-L6-v2)")
-@click.option("--input", "input_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help=".txt (one text a line) or .jsonl (strings or {'text': ...} objects)")
-@click.option("--output", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help=".npy file")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
 @click.option("--truncate/--no-truncate", default=False, help="truncate over-long inputs instead of failing")
 @click.option("--prompt-name", default=None)
-@click.option("--progress/--no-progress", default=False)
+@click.option("--skip-blank", is_flag=True, default=False,
+              help=".txt: skip blank lines (default: a blank line is an error, so rows line up with lines)")
+@click.option("--shard-size", default=4096, show_default=True, type=click.IntRange(min=1),
+              help="records per output shard, the unit of --resume")
+@click.option("--resume", is_flag=True, default=False, help="finish an interrupted run: keep the shards it wrote")
+@click.option("--overwrite", is_flag=True, default=False, help="replace an existing output")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
+              help="worker processes, each with its own engine (one per GPU, or CPU workers sharing the cores)")
+@click.option("--devices", default=None, metavar="DEV[,DEV…]",
+              help="one worker per device, e.g. cuda:0,cuda:1 (default: the workflow's device)")
+@click.option("--ray", "ray_address", default=None, is_flag=False, flag_value="local", metavar="[ADDRESS]",
+              help="run as a Ray Data job: on the cluster at ADDRESS, or a local one for a bare --ray (wde[ray])")
+@click.option("--progress/--no-progress", default=None, help="progress bar on stderr (default: when it is a terminal)")
 @click.option("--trust-remote-code", is_flag=True, default=False)
-def embed(workflow: str | None, model: str | None, input_path: Path, output_path: Path, overrides: tuple[str, ...],
-          truncate: bool, prompt_name: str | None, progress: bool, trust_remote_code: bool) -> None:
-    """Embed a file of texts offline and save the matrix as .npy."""
-    import numpy as np
+def embed(inputs: tuple[str, ...], output: str, text_field: str, id_field: str | None, outputs: str,
+          workflow: str | None, model: str | None, overrides: tuple[str, ...], truncate: bool,
+          prompt_name: str | None, skip_blank: bool, shard_size: int, resume: bool, overwrite: bool, workers: int,
+          devices: str | None, ray_address: str | None, progress: bool | None, trust_remote_code: bool) -> None:
+    """Embed a corpus into parquet (ids + vectors) or .npy, streaming, resumable, on one or many devices.
 
-    from wde.engine import Engine
+    Errors name the file and 1-based line. A killed run continues with --resume (docs/scaling.md).
+    """
+    from pydantic import ValidationError
+
+    from wde.corpus import CorpusError, EmbedJob, run_embed
+    from wde.errors import RequestError
 
     try:
-        engine = Engine.from_workflow(workflow, model, overrides=overrides, trust_remote_code=trust_remote_code)
-        with engine:
-            vectors = engine.embed(_load_inputs(input_path), truncate=truncate, prompt_name=prompt_name, progress=progress)
-    except (WorkflowError, ModelLoadError, RegistryError, RequestError) as e:
+        job = EmbedJob(inputs=tuple(_split_list(inputs)), output=output, text_field=text_field, id_field=id_field,
+                       outputs=tuple(_split_list((outputs,))), truncate=truncate, prompt_name=prompt_name,
+                       skip_blank=skip_blank, shard_size=shard_size, workflow=workflow, model=model,
+                       overrides=overrides, trust_remote_code=trust_remote_code)
+    except ValidationError as e:
+        first = e.errors()[0]
+        flag = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "wde embed"
+        raise click.BadParameter(first["msg"], param_hint=flag) from None
+    device_list = _split_list((devices,)) if devices else None
+    try:
+        if ray_address is not None:
+            from wde.corpus.ray_job import run_ray_embed
+
+            rows, dim = run_ray_embed(job, ray_address, workers=workers, overwrite=overwrite, resume=resume)
+            click.echo(f"wrote {rows} x {dim} embeddings to {output}")
+            return
+        summary = run_embed(job, workers=workers, devices=device_list, resume=resume, overwrite=overwrite,
+                            progress=sys.stderr.isatty() if progress is None else progress)
+    except (CorpusError, WorkflowError, ModelLoadError, RegistryError, RequestError) as e:
         raise click.ClickException(str(e)) from None
-    np.save(output_path, vectors)
-    click.echo(f"wrote {vectors.shape[0]} x {vectors.shape[1] if vectors.ndim > 1 else 0} embeddings to {output_path}")
+    resumed = f", {summary.shards_skipped} shard(s) kept from an earlier run" if summary.shards_skipped else ""
+    click.echo(f"wrote {summary.rows} x {summary.dim} embeddings to {output}"
+               f" ({summary.tokens:,} tokens in {summary.seconds:.1f}s{resumed})")
 
 
 @main.command()
@@ -142,7 +180,9 @@ def embed(workflow: str | None, model: str | None, input_path: Path, output_path
 @click.option("--host", default="127.0.0.1", show_default=True, help="bind address (loopback unless told otherwise)")
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--api-key", default=None, envvar="WDE_API_KEY", help="require 'Authorization: Bearer KEY'")
-@click.option("--served-model-name", default=None, help="model name reported by the API (default: the model path)")
+@click.option("--served-model-name", default=None,
+              help="name(s) the API answers to, comma separated; the first is reported (default: the model id or"
+                   " folder name; its last path component, e.g. all-MiniLM-L6-v2, is always accepted)")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
 @click.option("--max-client-batch-size", default=1024, show_default=True, type=int)
 @click.option("--max-concurrent-requests", default=512, show_default=True, type=int)
@@ -150,9 +190,15 @@ def embed(workflow: str | None, model: str | None, input_path: Path, output_path
               help="largest request body in bytes; larger ones are answered 413")
 @click.option("--trust-remote-code", is_flag=True, default=False)
 @click.option("--access-log/--no-access-log", default=False, show_default=True, help="log one line per request")
+@click.option("--quantization-ranges", default=None, type=click.Path(exists=True, dir_okay=False),
+              help=".npy (2, dim) per-dimension min/max for int8/uint8 embeddings (docs/http_api.md)")
+@click.option("--api-servers", default="auto", show_default=True, metavar="N|auto",
+              help="API-server processes in front of an engine core process (0: one process; auto: 0 on a"
+                   " CPU-only host, else a quarter of the cores, 1 to 8)")
 def serve(workflow: str | None, model: str | None, host: str, port: int, api_key: str | None,
           served_model_name: str | None, overrides: tuple[str, ...], max_client_batch_size: int,
-          max_concurrent_requests: int, payload_limit: int, trust_remote_code: bool, access_log: bool) -> None:
+          max_concurrent_requests: int, payload_limit: int, trust_remote_code: bool, access_log: bool,
+          quantization_ranges: str | None, api_servers: str) -> None:
     """Serve a workflow over HTTP (OpenAI, rerank and TEI-compatible routes).
 
     Exits 0 after SIGINT/SIGTERM (requests in flight are finished first), and 3 when the engine loop failed
@@ -166,10 +212,21 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, api_key
                               served_model_name=served_model_name, overrides=list(overrides),
                               max_client_batch_size=max_client_batch_size,
                               max_concurrent_requests=max_concurrent_requests, payload_limit=payload_limit,
-                              trust_remote_code=trust_remote_code, access_log=access_log)
+                              trust_remote_code=trust_remote_code, access_log=access_log,
+                              quantization_ranges=quantization_ranges)
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--api-key" if "api_key" in str(e) else None) from None
+        hint = "--api-key" if "api_key" in str(e) else "--quantization-ranges" if "quantization" in str(e) else None
+        raise click.BadParameter(str(e), param_hint=hint) from None
+    if api_servers != "auto" and not (api_servers.isdigit() and int(api_servers) <= 64):
+        raise click.BadParameter(f"must be 'auto' or a number of processes from 0 to 64, got {api_servers!r}",
+                                 param_hint="--api-servers")
     try:
+        if api_servers == "auto" or int(api_servers) > 0:
+            from wde.server.processes import default_api_servers, run_split_server
+
+            count = default_api_servers() if api_servers == "auto" else int(api_servers)
+            if count > 0:
+                sys.exit(run_split_server(config, count))
         run_server(config)
     except (WorkflowError, ModelLoadError, RegistryError) as e:
         raise click.ClickException(str(e)) from None

@@ -24,7 +24,7 @@ from wde.components.pooler import Pooled
 from wde.components.scheduler import SchedulerOutput
 from wde.errors import ModelLoadError, RequestError, internal_error
 from wde.model_source import ModelSource
-from wde.registry import get_registry
+from wde.registry import Registry, get_registry
 from wde.request import PoolingParams, Request, RequestOutput
 from wde.workflow import ResolvedWorkflow, load_workflow, overrides_to_paths
 
@@ -42,6 +42,40 @@ class BatchStats:
     num_requests: int
     num_tokens: int
     seconds: float
+
+
+def resolve(workflow: str | Path | None = None, model: str | Path | None = None, *,
+            overrides: Iterable[str] | None = None, trust_remote_code: bool = False, dtype: str | None = None,
+            device: str | None = None, registry: Registry | None = None,
+            **component_overrides: Mapping[str, Any]) -> tuple[ResolvedWorkflow, ModelSource]:
+    """The workflow and model source `Engine.from_workflow` builds from (same arguments); an API server of a
+    split engine resolves them too, to build the components it runs itself (tokenizer, input processor)."""
+    source = ModelSource.from_model(model, trust_remote_code=trust_remote_code)
+    registry = registry or get_registry()
+    if workflow is None:
+        workflow = registry.workflow_for(source.architectures, source)
+    shortcuts = [(("model", "params", k), v) for k, v in (("dtype", dtype), ("device", device)) if v is not None]
+    resolved = load_workflow(workflow, overrides_to_paths(overrides) + overrides_to_paths(component_overrides) + shortcuts,
+                             registry=registry)
+    served = set(resolved.architectures)
+    if served and source.architectures and not served & set(source.architectures):
+        raise ModelLoadError(
+            f"workflow {resolved.name!r} serves {sorted(served)} but {source.path} is {source.architectures};"
+            " pick a matching workflow (wde inspect / docs/workflows.md)")
+    return resolved, source
+
+
+def check_params(params: PoolingParams | None, workflow: str, outputs: Sequence[str], dense_size: int | None) -> None:
+    """Refuse request params the workflow cannot honour (an output it does not produce, too many dimensions)."""
+    if params is not None and params.outputs is not None:
+        unknown = [o for o in params.outputs if o not in outputs]
+        if unknown:
+            raise RequestError(f"outputs {unknown} are not produced by workflow {workflow!r};"
+                               f" it produces {list(outputs)}", "outputs")
+    if params is not None and params.dimensions is not None and dense_size is not None \
+            and params.dimensions > dense_size:
+        raise RequestError(f"dimensions={params.dimensions} is larger than the model's embedding size"
+                           f" {dense_size}", "dimensions")
 
 
 class Engine:
@@ -93,6 +127,7 @@ class Engine:
         trust_remote_code: bool = False,
         dtype: str | None = None,
         device: str | None = None,
+        registry: Registry | None = None,
         **component_overrides: Mapping[str, Any],
     ) -> "Engine":
         """Build an engine from a workflow file or registered name.
@@ -102,20 +137,13 @@ class Engine:
         :param model: a local model folder or a hub id in the local cache; None serves the bundled default.
         :param overrides: CLI-style strings, e.g. ``["scheduler.params.max_num_batched_tokens=8192"]``.
         :param dtype, device: shortcuts for ``model.params.dtype`` / ``model.params.device``.
+        :param registry: resolve names in this registry instead of the installed one (test a plugin without
+            installing it: ``Registry.from_plugin_manager(pm)``); the architecture check applies as usual.
         :param component_overrides: per-kind dicts merged into the workflow, e.g.
             ``scheduler={"params": {"max_num_requests": 8}}`` (the model kind: use `overrides`).
         """
-        source = ModelSource.from_model(model, trust_remote_code=trust_remote_code)
-        if workflow is None:
-            workflow = get_registry().workflow_for(source.architectures)
-        shortcuts = [(("model", "params", k), v) for k, v in (("dtype", dtype), ("device", device)) if v is not None]
-        resolved = load_workflow(workflow, overrides_to_paths(overrides) + overrides_to_paths(component_overrides) + shortcuts)
-        served = set(resolved.architectures)
-        if served and source.architectures and not served & set(source.architectures):
-            raise ModelLoadError(
-                f"workflow {resolved.name!r} serves {sorted(served)} but {source.path} is {source.architectures};"
-                " pick a matching workflow (wde inspect / docs/workflows.md)")
-        return cls(resolved, source)
+        return cls(*resolve(workflow, model, overrides=overrides, trust_remote_code=trust_remote_code, dtype=dtype,
+                            device=device, registry=registry, **component_overrides))
 
     def make_request(self, inputs: Any, params: PoolingParams | None = None, request_id: str | None = None,
                      field: str | tuple[str, str] = "input") -> Request:
@@ -124,15 +152,7 @@ class Engine:
         Raises `RequestError` naming the field, e.g. for an output this workflow does not produce. `field` is
         how errors name the input (a pair may name each side: ``("query", "documents[3]")``).
         """
-        if params is not None and params.outputs is not None:
-            unknown = [o for o in params.outputs if o not in self.supported_outputs]
-            if unknown:
-                raise RequestError(f"outputs {unknown} are not produced by workflow {self.workflow.name!r};"
-                                   f" it produces {list(self.supported_outputs)}", "outputs")
-        if params is not None and params.dimensions is not None and self.dense_size is not None \
-                and params.dimensions > self.dense_size:
-            raise RequestError(f"dimensions={params.dimensions} is larger than the model's embedding size"
-                               f" {self.dense_size}", "dimensions")
+        check_params(params, self.workflow.name, self.supported_outputs, self.dense_size)
         return self.input_processor.process(request_id or f"req-{next(self._ids)}", inputs, params, field=field)
 
     def add_request(self, inputs: Any, params: PoolingParams | None = None, request_id: str | None = None) -> str:

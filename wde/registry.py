@@ -7,14 +7,73 @@ workflow file cannot make the engine import arbitrary code.
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Union
 
 import pluggy
 import yaml
 
-from wde.components.base import COMPONENT_KINDS, Component
+from wde.components.base import COMPONENT_KINDS, Component, Params
 from wde.errors import RegistryError, did_you_mean
+from wde.yaml_source import SafeLoader
+
+if TYPE_CHECKING:
+    from wde.model_source import ModelSource
+
+ArchitectureTarget = Union[str, Callable[["ModelSource"], str]]
+"""What an architecture maps to: a workflow name, or a function of the model folder that picks one (for an
+architecture that checkpoints of several families declare, e.g. Qwen3ForCausalLM)."""
+
+
+@dataclass(frozen=True)
+class LazyComponent:
+    """A component registered by reference: `register(LazyComponent("pooler", "mean_max", "pkg.pooler:MeanMax",
+    MeanMaxParams))`. Its module (which may import torch) is imported only when an engine is built; validating,
+    inspecting and listing need only `kind`, `name` and `params`, so keep the params model in a module that
+    imports no torch. Loading checks that the class matches what was registered."""
+
+    kind: str
+    name: str
+    target: str
+    """"package.module:ClassName"."""
+    params: type[Params] = Params
+
+    @property
+    def Params(self) -> type[Params]:  # noqa: N802 - the same attribute a component class has
+        return self.params
+
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    def load(self) -> type[Component]:
+        """Import the component class; a `RegistryError` says what does not match the registration."""
+        module, _, attr = self.target.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise RegistryError(f"{self.kind} component {self.name!r}: cannot import {self.target!r}: {e}") from None
+        if not (isinstance(cls, type) and issubclass(cls, Component)):
+            raise RegistryError(f"{self.kind} component {self.name!r}: {self.target} is not a Component subclass")
+        got = (getattr(cls, "kind", None), getattr(cls, "name", None), cls.Params)
+        if got != (self.kind, self.name, self.params):
+            raise RegistryError(
+                f"{self.target} does not match its registration: kind/name/Params are"
+                f" {got[0]!r}/{got[1]!r}/{got[2].__qualname__}, registered as"
+                f" {self.kind!r}/{self.name!r}/{self.params.__qualname__}"
+            )
+        return cls
+
+
+def load_component(value: type[Component] | LazyComponent) -> type[Component]:
+    """The class of a registered component, importing it now when it was registered lazily."""
+    return value.load() if isinstance(value, LazyComponent) else value
+
+
+def _module_of(value: object) -> str:
+    return value.module if isinstance(value, LazyComponent) else value.__module__  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -50,30 +109,39 @@ class Registry:
             impl.function(register=functools.partial(reg.add_architecture, plugin=impl.plugin_name))
         return reg
 
-    def add_component(self, component: type, plugin: str = "<direct>") -> None:
-        if not (isinstance(component, type) and issubclass(component, Component)):
-            raise RegistryError(f"plugin {plugin!r} registered {component!r}, which is not a Component subclass")
+    def add_component(self, component: type | LazyComponent, plugin: str = "<direct>") -> None:
+        """Register a component class, or a `LazyComponent` reference whose module is imported only when used."""
+        if isinstance(component, LazyComponent):
+            what = component.target
+            if not (isinstance(component.params, type) and issubclass(component.params, Params)):
+                raise RegistryError(f"plugin {plugin!r} registered {what} with params {component.params!r},"
+                                    " which is not a wde.components.base.Params subclass")
+        elif isinstance(component, type) and issubclass(component, Component):
+            what = component.__qualname__
+        else:
+            raise RegistryError(f"plugin {plugin!r} registered {component!r}, which is not a Component subclass"
+                                " or a LazyComponent")
         kind = getattr(component, "kind", None)
         name = getattr(component, "name", None)
         if kind not in self.components:
             raise RegistryError(
-                f"plugin {plugin!r} registered {component.__qualname__} with kind {kind!r};"
+                f"plugin {plugin!r} registered {what} with kind {kind!r};"
                 f" kinds are: {', '.join(COMPONENT_KINDS)}"
             )
         if not name:
-            raise RegistryError(f"plugin {plugin!r} registered {component.__qualname__} without a name")
+            raise RegistryError(f"plugin {plugin!r} registered {what} without a name")
         existing = self.components[kind].get(name)
-        if existing is not None and existing.value is not component:
+        if existing is not None and existing.value != component:
             raise RegistryError(
                 f"duplicate {kind} component {name!r}: registered by {existing.plugin!r}"
-                f" ({existing.value.__module__}) and by {plugin!r} ({component.__module__})"
+                f" ({_module_of(existing.value)}) and by {plugin!r} ({_module_of(component)})"
             )
         self.components[kind][name] = Registered(component, plugin)
 
     def add_workflow(self, path: Path | str, plugin: str = "<direct>") -> None:
         path = Path(path)
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+            data = yaml.load(path.read_text(encoding="utf-8"), Loader=SafeLoader)  # safe: libyaml's safe loader
         except (OSError, yaml.YAMLError) as e:
             self.unreadable[str(path)] = f"plugin {plugin!r} registered {path}, which cannot be read: {e}"
             return
@@ -89,7 +157,7 @@ class Registry:
             )
         self.workflows[name] = Registered(path, plugin)
 
-    def add_architecture(self, architecture: str, workflow: str, plugin: str = "<direct>") -> None:
+    def add_architecture(self, architecture: str, workflow: ArchitectureTarget, plugin: str = "<direct>") -> None:
         existing = self.architectures.get(architecture)
         if existing is not None and existing.value != workflow:
             raise RegistryError(
@@ -105,7 +173,7 @@ class Registry:
             raise RegistryError(
                 f"unknown {kind} {name!r};{did_you_mean(name, known)} (available: {', '.join(known) or 'none'})"
             )
-        return entry.value  # type: ignore[return-value]
+        return load_component(entry.value)  # type: ignore[arg-type]
 
     def workflow_path(self, name: str) -> Path:
         entry = self.workflows.get(name)
@@ -114,11 +182,18 @@ class Registry:
             raise RegistryError(f"unknown workflow {name!r};{did_you_mean(name, known)} (available: {', '.join(known)})")
         return Path(entry.value)  # type: ignore[arg-type]
 
-    def workflow_for(self, architectures: list[str]) -> str:
-        """The workflow registered for the first of `architectures` that has one."""
+    def workflow_for(self, architectures: list[str], source: "ModelSource | None" = None) -> str:
+        """The workflow registered for the first of `architectures` that has one; a mapping that picks by the
+        model folder is called with `source` (it raises `RegistryError` when the folder leaves the choice open)."""
         for arch in architectures:
             if arch in self.architectures:
-                return self.architectures[arch].value  # type: ignore[return-value]
+                target = self.architectures[arch].value
+                if isinstance(target, str):
+                    return target
+                if source is None:
+                    raise RegistryError(f"the workflow for architecture {arch!r} depends on the model folder;"
+                                        " pass --workflow explicitly")
+                return target(source)  # type: ignore[operator]
         known = ", ".join(sorted(self.architectures))
         raise RegistryError(
             f"no workflow is registered for architectures {architectures}; known architectures: {known}."

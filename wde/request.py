@@ -25,6 +25,8 @@ class PairPrompt:
 @dataclass(frozen=True)
 class TokensPrompt:
     token_ids: tuple[int, ...]
+    token_type_ids: tuple[int, ...] | None = None
+    """Segment ids of an already tokenized pair (an API server of a split engine tokenizes before the core)."""
 
 
 Prompt = Union[TextPrompt, PairPrompt, TokensPrompt]

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from wde.components.base import COMPONENT_KINDS, Component, Params
 from wde.errors import Issue, Location, RegistryError, WorkflowError, did_you_mean
-from wde.registry import Registry, get_registry
+from wde.registry import LazyComponent, Registry, get_registry, load_component
 from wde.yaml_source import KeyPath, load_yaml_with_locations, locate
 
 
@@ -44,13 +44,19 @@ _WorkflowFile = create_model(
 
 @dataclass(frozen=True)
 class ResolvedComponent:
-    """A component kind bound to its registered class and validated params."""
+    """A component kind bound to its registration and validated params."""
 
     kind: str
     name: str
-    cls: type[Component]
+    component: type[Component] | LazyComponent
+    """The registered class, or a lazy reference to it: resolving a workflow imports no component module."""
     params: Params
     plugin: str
+
+    @property
+    def cls(self) -> type[Component]:
+        """The component class (imported now if it was registered lazily)."""
+        return load_component(self.component)
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,15 @@ def _merge_union_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
+def _known_keys(path: KeyPath) -> list[str]:
+    """The keys a workflow allows where `path`'s last key was written (top level, or inside a component)."""
+    if len(path) == 1:
+        return list(_WorkflowFile.model_fields)
+    if len(path) == 2 and path[0] in COMPONENT_KINDS:
+        return list(ComponentRef.model_fields)
+    return []
+
+
 def _pydantic_issues(err: ValidationError, locations: dict[KeyPath, Location], prefix: KeyPath) -> list[Issue]:
     issues = []
     for e in _merge_union_errors(err.errors()):
@@ -118,7 +133,9 @@ def _pydantic_issues(err: ValidationError, locations: dict[KeyPath, Location], p
         dotted = ".".join(str(p) for p in path)
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = f"unknown key {path[-1]!r}"
+            known = _known_keys(path)
+            msg = f"unknown key {path[-1]!r};{did_you_mean(str(path[-1]), known)}" + \
+                (f" (keys: {', '.join(known)})" if known else "")
         elif e["type"] == "missing":
             msg = f"missing required key {path[-1]!r}"
         elif "input" in e:
@@ -241,7 +258,10 @@ def _apply_overrides(layer: _Layer, overrides: list[tuple[KeyPath, Any]]) -> _La
             node = node[key]
         node[path[-1]] = value
         dotted = ".".join(str(p) for p in path)
-        locations[path] = Location(f"--set {dotted}={value}")
+        where = Location(f"--set {dotted}={value}")
+        locations[path] = where
+        for i in range(1, len(path)):  # a key the override introduces is reported at the override
+            locations.setdefault(path[:i], where)
     return _Layer(data, locations, layer.file, inherited)
 
 
@@ -267,12 +287,13 @@ def _resolve_components(layer: _Layer, registry: Registry) -> dict[str, Resolved
                                 f"unknown {kind} component {ref.name!r};{did_you_mean(ref.name, names)}"
                                 f" (available: {', '.join(names) or 'none'})"))
             continue
-        cls: type[Component] = entry.value  # type: ignore[assignment]
-        kept = {k: v for k, v in layer.inherited.get(kind, {}).items() if k in cls.Params.model_fields}
+        component: type[Component] | LazyComponent = entry.value  # type: ignore[assignment]
+        params_model = component.Params
+        kept = {k: v for k, v in layer.inherited.get(kind, {}).items() if k in params_model.model_fields}
         try:
-            params = cls.Params.model_validate({**kept, **ref.params})
+            params = params_model.model_validate({**kept, **ref.params})
         except ValidationError as e:
-            field_names = list(cls.Params.model_fields)
+            field_names = list(params_model.model_fields)
             for issue in _pydantic_issues(e, layer.locations, (kind, "params")):
                 last = issue.path.rsplit(".", 1)[-1]
                 if issue.message.startswith("unknown key"):
@@ -282,7 +303,7 @@ def _resolve_components(layer: _Layer, registry: Registry) -> dict[str, Resolved
                                   f" (params: {', '.join(field_names) or 'none'})")
                 issues.append(issue)
             continue
-        resolved[kind] = ResolvedComponent(kind, ref.name, cls, params, entry.plugin)
+        resolved[kind] = ResolvedComponent(kind, ref.name, component, params, entry.plugin)
     if issues:
         raise WorkflowError(issues)
     return resolved

@@ -15,6 +15,9 @@ from wde.errors import Issue, Location, WorkflowError
 
 KeyPath = tuple[Any, ...]
 
+SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's safe loader when PyYAML was built with it (about 10x faster), else the pure-Python one."""
+
 
 def _walk(node: yaml.Node, path: KeyPath, file: str, out: dict[KeyPath, Location]) -> None:
     if isinstance(node, yaml.MappingNode):
@@ -37,9 +40,10 @@ def load_yaml_with_locations(path: Path) -> tuple[Any, dict[KeyPath, Location]]:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise WorkflowError([Issue(Location(file), "", f"cannot read workflow file: {e.strerror or e}")]) from None
-    try:
-        data = yaml.safe_load(text)
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    loader = SafeLoader(text)
+    try:  # compose once, then construct from that node: exactly `yaml.safe_load`, with the positions kept
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         loc = Location(file, mark.line + 1, mark.column + 1) if mark else Location(file)
@@ -47,6 +51,8 @@ def load_yaml_with_locations(path: Path) -> tuple[Any, dict[KeyPath, Location]]:
         raise WorkflowError([Issue(loc, "", f"YAML syntax error: {problem}")]) from None
     except yaml.YAMLError as e:
         raise WorkflowError([Issue(Location(file), "", f"YAML error: {e}")]) from None
+    finally:
+        loader.dispose()
     locations: dict[KeyPath, Location] = {(): Location(file, 1, 1)}
     if node is not None:
         _walk(node, (), file, locations)

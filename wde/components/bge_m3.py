@@ -8,16 +8,16 @@ per token id; colbert = normalize(colbert_linear(h[1:])) (every token after CLS,
 
 from __future__ import annotations
 
-from typing import Literal
 
 import numpy as np
 import torch
 from torch import nn
 
-from wde.components.base import BuildContext, Component, Params
+from wde.components.base import BuildContext, Component
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.fused import l2_normalize
 from wde.components.output_processor import EmbeddingOutputProcessor
+from wde.components.params import BGEM3OutputParams, BGEM3PoolerParams  # torch-free, for validation
 from wde.components.pooler import Pooled, finish_embeddings, pool, segment_ids
 from wde.components.scheduler import SchedulerOutput
 from wde.errors import ModelLoadError
@@ -30,13 +30,6 @@ SPARSE_DROPPED_ROLES = ("cls_token", "eos_token", "pad_token", "unk_token")
 
 def requested(params: PoolingParams) -> tuple[str, ...]:
     return params.outputs if params.outputs is not None else ("dense",)
-
-
-class BGEM3PoolerParams(Params):
-    normalize: bool = True
-    """Default L2 normalization of dense and ColBERT vectors (a request's `normalize` overrides it)."""
-    sparse_file: str = "sparse_linear.pt"
-    colbert_file: str = "colbert_linear.pt"
 
 
 def _load_linear(ctx: BuildContext, filename: str, device: torch.device, dtype: torch.dtype) -> nn.Linear:
@@ -93,11 +86,6 @@ class BGEM3Pooler(Component):
             vecs = torch.where(per_token, l2_normalize(vecs), vecs)
         bounds = [end - i for i, end in enumerate(batch.cu_seqlens.tolist())]
         return vecs, bounds
-
-
-class BGEM3OutputParams(Params):
-    sparse_keys: Literal["ids", "tokens"] = "ids"
-    """Key the lexical weights by token id (FlagEmbedding's `lexical_weights`) or by token string."""
 
 
 class BGEM3OutputProcessor(EmbeddingOutputProcessor):

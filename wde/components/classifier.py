@@ -8,14 +8,15 @@ for num_labels == 1 and "probs" otherwise.
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Literal
+from typing import Callable, ClassVar
 
 import torch
 from torch import nn
 
-from wde.components.base import BuildContext, Component, Params
+from wde.components.base import BuildContext, Component
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.loader import load_weights
+from wde.components.params import ClassifierParams  # torch-free, so validating a workflow needs no torch
 from wde.components.pooler import Pooled, pool
 from wde.errors import ModelLoadError
 
@@ -73,14 +74,6 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sigmoid": torch.sigmoid,
     "softmax": lambda x: torch.softmax(x, dim=-1),
 }
-
-
-class ClassifierParams(Params):
-    task: Literal["auto", "score", "probs"] = "auto"
-    """auto: 'score' for a single-logit model (cross-encoder / reranker), 'probs' otherwise."""
-    activation: Literal["auto", "sigmoid", "softmax", "none"] = "auto"
-    """Used when a request leaves `activation` unset. auto: for 'score' the sentence-transformers activation
-    saved in config.json (sigmoid when none is saved); for 'probs' sigmoid on multi-label models, else softmax."""
 
 
 class ClassifierPooler(Component):

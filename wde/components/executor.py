@@ -7,9 +7,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pydantic import Field
 
+from typing import TYPE_CHECKING
+
 from wde.components.base import BuildContext, Component, Params
-from wde.components.model_input_builder import ModelInput
-from wde.components.pooler import Pooled
+
+if TYPE_CHECKING:  # torch-heavy modules, needed for annotations only: validating a workflow imports no torch
+    from wde.components.model_input_builder import ModelInput
+    from wde.components.pooler import Pooled
 
 
 class Executor(Component):

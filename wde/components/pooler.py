@@ -11,9 +11,10 @@ from typing import Literal
 
 import torch
 
-from wde.components.base import BuildContext, Component, Params
+from wde.components.base import BuildContext, Component
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.fused import l2_normalize
+from wde.components.params import SentencePoolerParams  # torch-free, so validating a workflow needs no torch
 from wde.errors import ModelLoadError
 
 PoolingMode = Literal["cls", "mean", "max", "last", "all"]
@@ -76,13 +77,6 @@ def finish_embeddings(x: torch.Tensor, batch: ModelInput, normalize_default: boo
         mask = torch.tensor(norms, device=x.device)[:, None]
         return torch.where(mask, l2_normalize(x), x)
     return x
-
-
-class SentencePoolerParams(Params):
-    pooling: Literal["auto", "cls", "mean", "max", "last", "all"] = "auto"
-    """auto: read sentence-transformers' Pooling config from the model folder."""
-    normalize: bool | Literal["auto"] = "auto"
-    """auto: true when the model's modules.json has a Normalize module."""
 
 
 # sentence-transformers' pooling mode names -> WDE's. Its other modes (mean_sqrt_len_tokens, weightedmean) and

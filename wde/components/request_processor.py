@@ -56,7 +56,7 @@ class LazyTokenizeRequestProcessor(Component):
             groups.setdefault(type(r.prompt), []).append(i)
         for prompt_type, idx in groups.items():
             if prompt_type is TokensPrompt:
-                encoded: list = [(list(requests[i].prompt.token_ids), None) for i in idx]  # type: ignore[union-attr]
+                encoded: list = [_given_tokens(requests[i].prompt) for i in idx]  # type: ignore[arg-type]
             else:
                 encoded = self._encode([requests[i] for i in idx])
             for i, enc in zip(idx, encoded):
@@ -92,8 +92,8 @@ class LazyTokenizeRequestProcessor(Component):
         direction = request.params.truncation_direction
         prompt = request.prompt
         if isinstance(prompt, TokensPrompt):
-            kept = ids[:limit] if direction == "right" else ids[-limit:]
-            return SchedulableRequest(request, kept, None)
+            cut = slice(None, limit) if direction == "right" else slice(-limit, None)
+            return SchedulableRequest(request, ids[cut], types[cut] if types is not None else None)
         if isinstance(prompt, PairPrompt) and (shortest := self._tokenizer.min_pair_length(prompt)) > limit:
             return RequestError(f"input cannot be truncated to {limit} tokens: truncation shortens only the second"
                                 f" text, and the first text with the special tokens already takes {shortest - 1}",
@@ -101,3 +101,8 @@ class LazyTokenizeRequestProcessor(Component):
         assert isinstance(prompt, (TextPrompt, PairPrompt))
         (ids, types), = self._tokenizer.encode([prompt], max_length=limit, direction=direction)
         return SchedulableRequest(request, ids, types)
+
+
+def _given_tokens(prompt: TokensPrompt) -> tuple[list[int], list[int] | None]:
+    types = prompt.token_type_ids
+    return list(prompt.token_ids), list(types) if types is not None else None

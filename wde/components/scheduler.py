@@ -18,7 +18,6 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from wde.components.base import BuildContext, Component, Params
-from wde.device import default_device
 from wde.request import Request, RequestOutput, SchedulableRequest
 
 
@@ -61,6 +60,8 @@ class FCFSScheduler(Component):
         self._is_large = getattr(ctx.request_processor, "is_large", lambda request: False)
         budget = params.max_num_batched_tokens
         if budget == "auto":
+            from wde.device import default_device  # imports torch: only when an engine is built
+
             default = GPU_TOKEN_BUDGET if default_device().type == "cuda" else CPU_TOKEN_BUDGET
             budget = max(default, ctx.request_processor.max_length)
         self.token_budget: int = budget

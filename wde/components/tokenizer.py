@@ -21,6 +21,9 @@ class HFTokenizerParams(Params):
     padding_side: Literal["left", "right"] | None = None
     add_eos: bool = Field(False, description="append the EOS token when the tokenizer's template does not"
                                              " (last-token pooling reads the EOS state)")
+    position_offset: int | None = Field(None, ge=0, description="index of position 0 in the model's position table"
+                                        " (RoBERTa: pad_token_id + 1), which shortens the max length by as much;"
+                                        " default: from the config's model_type")
 
 
 class HFTokenizer(Component):
@@ -55,7 +58,8 @@ class HFTokenizer(Component):
         limits.append(self._tok.model_max_length if self._tok.model_max_length < 10**9 else None)
         max_pos = getattr(cfg, "max_position_embeddings", None)
         if max_pos is not None:
-            limits.append(max_pos - self.position_offset(cfg))
+            offset = params.position_offset if params.position_offset is not None else self.position_offset(cfg)
+            limits.append(max_pos - offset)
         self.max_length: int = min(x for x in limits if x is not None) if any(limits) else 512
         # Length limits are enforced by the request processor with a clear error; silence transformers' own
         # "sequence length is longer than the specified maximum" warning for inputs it is about to reject.
@@ -81,7 +85,8 @@ class HFTokenizer(Component):
 
     @staticmethod
     def position_offset(cfg: object) -> int:
-        """RoBERTa-style models start positions after the padding index."""
+        """RoBERTa-style models start positions after the padding index. Other families whose position table
+        starts later declare it with the `position_offset` param (the model checks it when it is built)."""
         if getattr(cfg, "model_type", "") in ("roberta", "xlm-roberta", "camembert"):
             return getattr(cfg, "pad_token_id", 1) + 1
         return 0

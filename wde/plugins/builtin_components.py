@@ -1,54 +1,65 @@
-"""The built-in components, registered through the same hook third-party plugins use."""
+"""The built-in components, registered through the same hook third-party plugins use.
+
+Each is registered as a `LazyComponent` reference ("module:Class") with its params model, which lives in a module
+that imports no torch: `wde validate` / `inspect` / `plugins` resolve and check workflows without importing a
+single component module (tests/test_cli_fit.py fails if one of them imports torch). A new built-in is one line
+here; if its params model sits in a torch-importing module, move it to `wde/components/params.py`.
+"""
 
 from __future__ import annotations
 
 from typing import Callable
 
-from wde.components.attention.auto import AutoBackend
-from wde.components.attention.torch_sdpa import TorchSDPABackend
-from wde.components.attention.triton_varlen import TritonVarlenBackend
-from wde.components.bge_m3 import BGEM3OutputProcessor, BGEM3Pooler
-from wde.components.classifier import ClassifierPooler
-from wde.components.executor import SyncExecutor, ThreadExecutor
-from wde.components.input_processor import TextInputProcessor
-from wde.components.model_input_builder import PackedInputBuilder
-from wde.components.models.bert import BertModel, XLMRobertaModel
-from wde.components.models.llama import LlamaModel, MistralModel
-from wde.components.models.qwen2 import Qwen2Model
-from wde.components.output_processor import EmbeddingOutputProcessor
-from wde.components.pooler import SentencePooler
-from wde.components.request_processor import LazyTokenizeRequestProcessor
-from wde.components.runner import TorchRunner
-from wde.components.scheduler import FCFSScheduler
-from wde.components.tokenizer import HFTokenizer
+from wde.components.base import Params
+from wde.components.executor import ThreadExecutorParams
+from wde.components.input_processor import TextInputParams
+from wde.components.params import (AttentionParams, BGEM3OutputParams, BGEM3PoolerParams, ClassifierParams, ModelParams,
+                                   SentencePoolerParams, YesNoScorerParams)
+from wde.components.request_processor import LazyTokenizeParams
+from wde.components.reranker_prompt import AffixTokenizerParams, InstructionPairParams
+from wde.components.scheduler import FCFSParams
+from wde.components.tokenizer import HFTokenizerParams
 from wde.plugins.hookspecs import hookimpl
+from wde.registry import LazyComponent
 
-BUILTIN_COMPONENTS: tuple[type, ...] = (
-    HFTokenizer,
-    TextInputProcessor,
-    LazyTokenizeRequestProcessor,
-    FCFSScheduler,
-    PackedInputBuilder,
-    AutoBackend,
-    TorchSDPABackend,
-    TritonVarlenBackend,
-    BertModel,
-    XLMRobertaModel,
-    Qwen2Model,
-    LlamaModel,
-    MistralModel,
-    SentencePooler,
-    BGEM3Pooler,
-    ClassifierPooler,
-    TorchRunner,
-    SyncExecutor,
-    ThreadExecutor,
-    EmbeddingOutputProcessor,
-    BGEM3OutputProcessor,
+_BUILTINS: tuple[tuple[str, str, str, type[Params]], ...] = (
+    # kind, name, "module:Class" under wde.components, params model (from a torch-free module)
+    ("tokenizer", "hf_tokenizer", "tokenizer:HFTokenizer", HFTokenizerParams),
+    ("tokenizer", "affix_tokenizer", "reranker_prompt:AffixTokenizer", AffixTokenizerParams),
+    ("input_processor", "text_input", "input_processor:TextInputProcessor", TextInputParams),
+    ("input_processor", "instruction_pair", "reranker_prompt:InstructionPairInput", InstructionPairParams),
+    ("request_processor", "lazy_tokenize", "request_processor:LazyTokenizeRequestProcessor", LazyTokenizeParams),
+    ("scheduler", "fcfs", "scheduler:FCFSScheduler", FCFSParams),
+    ("model_input_builder", "packed", "model_input_builder:PackedInputBuilder", Params),
+    ("attention", "auto", "attention.auto:AutoBackend", AttentionParams),
+    ("attention", "torch_sdpa", "attention.torch_sdpa:TorchSDPABackend", AttentionParams),
+    ("attention", "cpu_varlen", "attention.cpu_varlen:CpuVarlenBackend", AttentionParams),
+    ("attention", "triton_varlen", "attention.triton_varlen:TritonVarlenBackend", AttentionParams),
+    ("model", "bert", "models.bert:BertModel", ModelParams),
+    ("model", "xlm_roberta", "models.bert:XLMRobertaModel", ModelParams),
+    ("model", "qwen2", "models.qwen2:Qwen2Model", ModelParams),
+    ("model", "qwen3", "models.qwen3:Qwen3Model", ModelParams),
+    ("model", "llama", "models.llama:LlamaModel", ModelParams),
+    ("model", "mistral", "models.llama:MistralModel", ModelParams),
+    ("pooler", "sentence", "pooler:SentencePooler", SentencePoolerParams),
+    ("pooler", "sentence_tokens", "token_states:SentenceTokensPooler", SentencePoolerParams),
+    ("pooler", "bge_m3", "bge_m3:BGEM3Pooler", BGEM3PoolerParams),
+    ("pooler", "classifier", "classifier:ClassifierPooler", ClassifierParams),
+    ("pooler", "yes_no_score", "causal_lm_scorer:YesNoScorer", YesNoScorerParams),
+    ("runner", "torch", "runner:TorchRunner", Params),
+    ("executor", "sync", "executor:SyncExecutor", Params),
+    ("executor", "thread", "executor:ThreadExecutor", ThreadExecutorParams),
+    ("output_processor", "embedding", "output_processor:EmbeddingOutputProcessor", Params),
+    ("output_processor", "bge_m3", "bge_m3:BGEM3OutputProcessor", BGEM3OutputParams),
+)
+
+BUILTIN_COMPONENTS: tuple[LazyComponent, ...] = tuple(
+    LazyComponent(kind, name, f"wde.components.{target}", params) for kind, name, target, params in _BUILTINS
 )
 
 
 @hookimpl
-def register_components(register: Callable[[type], None]) -> None:
+def register_components(register: Callable[[LazyComponent], None]) -> None:
     for component in BUILTIN_COMPONENTS:
         register(component)
+

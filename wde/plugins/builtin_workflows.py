@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+from wde.errors import RegistryError
 from wde.plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from wde.model_source import ModelSource
 
 DEFAULT_ARCHITECTURES: dict[str, str] = {
     "BertModel": "bert",
@@ -20,7 +25,42 @@ DEFAULT_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "e5_mistral",
     "LlamaModel": "decoder_features",
     "LlamaForCausalLM": "decoder_features",
+    "Qwen3Model": "qwen3_embedding",
 }
+
+
+@dataclass(frozen=True)
+class EmbedderIfSentenceTransformers:
+    """Picks the workflow for an architecture that an embedder and other families share (Qwen3ForCausalLM:
+    Qwen3-Embedding, Qwen3-Reranker, Qwen3 chat models): the embedder when the model folder carries a
+    sentence-transformers config, else an error naming the workflows to choose from."""
+
+    architecture: str
+    embedder: str
+    others: tuple[str, ...]
+    others_serve: str = ""
+    """What the other workflows are for, shown in the error (e.g. "a Qwen3-Reranker checkpoint")."""
+
+    def __call__(self, source: "ModelSource") -> str:
+        if any(source.read_json(f) is not None for f in ("modules.json", "config_sentence_transformers.json")):
+            return self.embedder
+        others = " or ".join(f"--workflow {w}" for w in self.others)
+        raise RegistryError(
+            f"{source.path} declares {self.architecture}, which several workflows serve"
+            f" ({', '.join((self.embedder, *self.others))}); {self.embedder} is picked only for a folder with a sentence-transformers config (modules.json"
+            f" or config_sentence_transformers.json) and this one has none. Pass {others}"
+            f"{f' for {self.others_serve}' if self.others_serve else ''}, or --workflow {self.embedder} to embed"
+            " with it (in Python: Engine.from_workflow(name, model))")
+
+    def __str__(self) -> str:
+        return f"{self.embedder} (with a sentence-transformers config; else --workflow {'|'.join(self.others)})"
+
+
+FOLDER_ARCHITECTURES = (
+    EmbedderIfSentenceTransformers("Qwen3ForCausalLM", "qwen3_embedding", ("qwen3_reranker",),
+                                   "a Qwen3-Reranker checkpoint"),
+)
+"""Architectures whose workflow depends on the model folder's files."""
 
 
 def workflows_dir() -> Path:
@@ -37,6 +77,8 @@ def register_workflows(register: Callable[[Path], None]) -> None:
 
 
 @hookimpl
-def register_architectures(register: Callable[[str, str], None]) -> None:
+def register_architectures(register: Callable[[str, str | Callable[..., str]], None]) -> None:
     for architecture, workflow in DEFAULT_ARCHITECTURES.items():
         register(architecture, workflow)
+    for rule in FOLDER_ARCHITECTURES:
+        register(rule.architecture, rule)

@@ -38,11 +38,13 @@ def register_workflows(register: Callable[[Path], None]) -> None:
 
 
 @hookspec
-def register_architectures(register: Callable[[str, str], None]) -> None:
+def register_architectures(register: Callable[[str, str | Callable[..., str]], None]) -> None:
     """Map Hugging Face ``architectures`` names to the workflow that serves them by default.
 
     Called once, when the registry is first built. Used when a user gives ``--model`` without ``--workflow``.
 
     :param register: call ``register(architecture, workflow_name)``, e.g.
-        ``register("XLMRobertaModel", "xlm_roberta")``.
+        ``register("XLMRobertaModel", "xlm_roberta")``. For an architecture that checkpoints of several
+        families declare, pass instead a callable taking the ``ModelSource`` and returning a workflow name (or
+        raising ``RegistryError`` when the folder leaves the choice open); give it a ``__str__`` for ``wde plugins``.
     """

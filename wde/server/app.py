@@ -15,15 +15,17 @@ from starlette.exceptions import HTTPException
 
 import wde
 from wde.async_engine import AsyncEngine
+from wde.core.client import CoreClient
 from wde.engine import Engine
-from wde.server import openai_routes, rerank_routes, score_routes, tei_routes
+from wde.server import cohere_routes, openai_routes, rerank_routes, score_routes, tei_routes
 from wde.server.config import ServerConfig
 from wde.server.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
 from wde.server.metrics import ServerMetrics
 from wde.server.middleware import ApiKeyMiddleware, MetricsMiddleware, PayloadLimitMiddleware, RequestIdMiddleware
 from wde.server.service import ClientDisconnected, Service
+from wde.server.startup import startup_line
 
-_ROUTERS = (openai_routes.router, score_routes.router, rerank_routes.router, tei_routes.router)
+_ROUTERS = (openai_routes.router, score_routes.router, rerank_routes.router, cohere_routes.router, tei_routes.router)
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -31,11 +33,16 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
-    """An app serving `engine`; its engine thread starts and stops with the app (the caller closes `engine`)."""
+def create_app(engine: Engine | CoreClient, config: ServerConfig | None = None) -> FastAPI:
+    """An app serving `engine`: an `Engine` in this process, whose engine thread starts and stops with the app
+    (the caller closes `engine`), or, in an API server of a split engine, the client of the engine core."""
     config = config or ServerConfig()
     metrics = ServerMetrics()
-    async_engine = AsyncEngine(engine, config.max_concurrent_requests, on_batch=metrics.on_batch)
+    if isinstance(engine, Engine):
+        async_engine: AsyncEngine | CoreClient = AsyncEngine(engine, config.max_concurrent_requests,
+                                                             on_batch=metrics.on_batch)
+    else:
+        async_engine = engine
     metrics.bind(async_engine)
 
     @asynccontextmanager
@@ -100,6 +107,7 @@ def run_server(config: ServerConfig) -> None:
                                   trust_remote_code=config.trust_remote_code)
     with engine:
         app = create_app(engine, config)
+        logging.getLogger("wde").info(startup_line(config, app.state.service))
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                                access_log=config.access_log))
         fatal: list[BaseException] = []

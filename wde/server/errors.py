@@ -56,7 +56,8 @@ _TEI_TYPE: dict[str, str] = {
     "not_found": "validation",
 }
 
-TEI_PATHS = frozenset({"/embed", "/embed_sparse", "/rerank", "/predict", "/tokenize", "/info", "/health"})
+TEI_PATHS = frozenset({"/embed", "/embed_all", "/embed_sparse", "/rerank", "/predict", "/similarity", "/tokenize",
+                       "/decode", "/info", "/health"})
 
 
 class ApiError(Exception):

@@ -1,14 +1,20 @@
 """Prometheus metrics of one server (its own registry, so several apps can live in one process).
 
+With the engine core in its own process (`wde serve --api-servers N`) every process writes its samples to
+prometheus-client's multiprocess directory and any API server's /metrics sums them: counters and histograms add
+up over processes, the core sets the queue and restart gauges, each API server its own in-flight gauges, and
+`wde_engine_healthy` is the minimum over processes.
+
 Tokens per second is `rate(wde_prompt_tokens_total[1m])`; the mean server-formed batch size is
 `wde_batch_size_sum / wde_batch_size_count`.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from typing import Any
 
-from wde.async_engine import AsyncEngine
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values
+
 from wde.engine import BatchStats
 from wde.request import RequestOutput
 
@@ -16,9 +22,17 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
+def multiprocess_mode() -> bool:
+    """Whether this process writes its samples to a multiprocess directory (set up before its first import of
+    prometheus-client, as the launcher does for the processes it starts)."""
+    return values.ValueClass is not values.MutexValue
+
+
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.multiprocess = multiprocess_mode()
+        self._engine: Any = None
         r = self.registry
         self.requests = Counter("wde_requests", "HTTP requests by route and status code", ["route", "status"],
                                 registry=r)
@@ -36,21 +50,47 @@ class ServerMetrics:
         self.device_seconds = Counter("wde_device_seconds", "seconds batches spent on the device, copies included"
                                       " (busy fraction = rate(wde_device_seconds_total[1m]))", registry=r)
         self.inputs = Counter("wde_inputs", "inputs processed (one request may carry many)", registry=r)
-        self.queue_depth = Gauge("wde_queue_depth", "inputs waiting to be scheduled", registry=r)
-        self.pending = Gauge("wde_pending_inputs", "inputs accepted and not answered yet", registry=r)
-        self.active = Gauge("wde_active_requests", "HTTP requests being served by the engine", registry=r)
-        self.aborted = Gauge("wde_aborted_inputs", "inputs aborted because their client went away", registry=r)
-        self.restarts = Gauge("wde_engine_restarts", "times the engine loop failed and was restarted", registry=r)
-        self.healthy = Gauge("wde_engine_healthy", "1 while the engine loop runs, 0 once it gave up", registry=r)
+        self.queue_depth = Gauge("wde_queue_depth", "inputs waiting to be scheduled", registry=r,
+                                 multiprocess_mode="livesum")
+        self.pending = Gauge("wde_pending_inputs", "inputs accepted and not answered yet", registry=r,
+                             multiprocess_mode="livesum")
+        self.active = Gauge("wde_active_requests", "HTTP requests being served by the engine", registry=r,
+                            multiprocess_mode="livesum")
+        self.aborted = Gauge("wde_aborted_inputs", "inputs aborted because their client went away", registry=r,
+                             multiprocess_mode="sum")
+        self.restarts = Gauge("wde_engine_restarts", "times the engine loop failed and was restarted", registry=r,
+                              multiprocess_mode="max")
+        self.healthy = Gauge("wde_engine_healthy", "1 while the engine loop runs, 0 once it gave up", registry=r,
+                             multiprocess_mode="min")
 
-    def bind(self, engine: AsyncEngine) -> None:
-        """Gauges read the live engine at scrape time."""
+    def bind(self, engine: Any) -> None:
+        """Gauges read the live engine (an `AsyncEngine`, or an API server's `CoreClient`) at scrape time; in
+        multiprocess mode they are written as requests finish (see `refresh`)."""
+        if self.multiprocess:
+            self._engine = engine
+            self.healthy.set(1.0)  # every process writes each gauge; 0, the initial value, would win the minimum
+            return
         self.queue_depth.set_function(lambda: engine.queue_depth)
         self.pending.set_function(lambda: engine.num_pending)
         self.active.set_function(lambda: engine.active_calls)
         self.aborted.set_function(lambda: engine.num_aborted)
         self.restarts.set_function(lambda: engine.num_restarts)
         self.healthy.set_function(lambda: float(engine.healthy))
+
+    def refresh(self) -> None:
+        """Write this API server's gauges (multiprocess mode; the core writes its own in `on_core_step`)."""
+        engine = self._engine
+        if engine is not None:
+            self.pending.set(engine.num_pending)
+            self.active.set(engine.active_calls)
+            self.aborted.set(engine.num_aborted)
+            self.healthy.set(float(engine.healthy))
+
+    def on_core_step(self, queue_depth: int, restarts: int) -> None:
+        """The engine core's gauges, written after each step."""
+        self.queue_depth.set(queue_depth)
+        self.restarts.set(restarts)
+        self.healthy.set(1.0)
 
     def on_batch(self, stats: BatchStats) -> None:
         """Called on the engine thread after each batch (prometheus-client metrics are thread-safe)."""
@@ -68,6 +108,13 @@ class ServerMetrics:
     def on_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()
         self.latency.labels(route).observe(seconds)
+        if self.multiprocess:
+            self.refresh()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        self.refresh()
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged)
+        return generate_latest(merged)

@@ -3,14 +3,13 @@ dense + sparse + colbert, in OpenAI's list envelope)."""
 
 from __future__ import annotations
 
-import base64
-
 import numpy as np
 from fastapi import APIRouter, Request
 
 from wde.request import PoolingParams
 from wde.server.errors import ApiError
 from wde.server.protocol import EmbeddingRequest, PoolingRequest, body_schema, embed_items, item_names, parse, read_json
+from wde.server.quantize import quantize_rows, to_base64
 from wde.server.responses import JSONResponse
 from wde.server.service import Result, Service, to_json
 
@@ -22,11 +21,11 @@ def service(request: Request) -> Service:
 
 
 def encode_vector(vector: np.ndarray, encoding_format: str) -> np.ndarray | str:
-    """OpenAI's base64 format is the little-endian float32 bytes of the vector; float is the float32 array
-    itself (the JSON response writes it without a Python float list)."""
+    """OpenAI's base64 format is the little-endian float32 bytes of the vector (a quantized vector's own bytes);
+    float is the array itself (the JSON response writes it without a Python list)."""
     if encoding_format == "base64":
-        return base64.b64encode(np.ascontiguousarray(vector, dtype="<f4").tobytes()).decode("ascii")
-    return np.ascontiguousarray(vector, dtype=np.float32)
+        return to_base64(vector)
+    return np.ascontiguousarray(vector)
 
 
 @router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingRequest))
@@ -38,8 +37,9 @@ async def embeddings(request: Request) -> JSONResponse:
     params = PoolingParams(truncate=body.truncate, prompt_name=body.prompt_name, dimensions=body.dimensions,
                            outputs=("dense",))
     result = await svc.run(request, embed_items(body.input), params, "input", item_names("input", body.input))
+    vectors = quantize_rows(result.dense, body.embed_dtype, svc.config.quantization_ranges, "embed_dtype")
     data = [{"object": "embedding", "embedding": encode_vector(v, body.encoding_format), "index": i}
-            for i, v in enumerate(result.dense)]
+            for i, v in enumerate(vectors)]
     return _list_response(svc, data, result)
 
 
@@ -72,8 +72,8 @@ def _list_response(svc: Service, data: list[dict], result: Result) -> JSONRespon
 @router.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
     svc = service(request)
-    engine = svc.engine.engine
+    info = svc.info
     card = {"id": svc.model_name, "object": "model", "created": svc.created, "owned_by": "wde",
-            "root": svc.model_name, "workflow": engine.workflow.name,
-            "outputs": list(engine.supported_outputs), "max_model_len": engine.max_length}
+            "root": svc.model_name, "workflow": info.workflow,
+            "outputs": list(info.outputs), "max_model_len": info.max_length}
     return JSONResponse({"object": "list", "data": [card]})

@@ -7,12 +7,13 @@ coercion of `true` to 1, of "yes" to true or of 1.0 to 1, so a client's mistake 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from wde.server.errors import ApiError
+from wde.server.quantize import Precision
 
 TokenIds = list[int]
 EmbedInput = Union[str, list[str], TokenIds, list[TokenIds]]
@@ -39,6 +40,8 @@ class EmbeddingRequest(Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, gt=0)
     user: str | None = None
+    embed_dtype: Precision = "float32"
+    """Extension (vLLM's option name): int8/uint8/binary/ubinary quantized vectors, see wde/server/quantize.py."""
     truncate: bool = False
     """Extension: truncate over-long inputs instead of rejecting them."""
     prompt_name: str | None = None
@@ -116,6 +119,10 @@ class TeiEmbedRequest(Body):
     prompt_name: str | None = None
     normalize: bool = True
     dimensions: int | None = Field(None, gt=0)
+    embed_dtype: Precision = "float32"
+    """Extension, as on /v1/embeddings: quantized vectors."""
+    encoding_format: Literal["float", "base64"] = "float"
+    """Extension, as on /v1/embeddings: base64 of each vector's bytes instead of a JSON array."""
 
     _direction = field_validator("truncation_direction", mode="before")(_direction)
 
@@ -148,6 +155,81 @@ class TeiTokenizeRequest(Body):
     inputs: Union[str, list[str]]
     add_special_tokens: bool = True
     prompt_name: str | None = None
+
+
+class TeiEmbedAllRequest(Body):
+    """TEI /embed_all: every token's final hidden state."""
+
+    inputs: TeiInput
+    truncate: bool | None = None
+    truncation_direction: Direction = "right"
+    prompt_name: str | None = None
+
+    _direction = field_validator("truncation_direction", mode="before")(_direction)
+
+
+class SimilarityInputs(Body):
+    source_sentence: str
+    sentences: list[str]
+
+
+class TeiSimilarityRequest(Body):
+    """TEI /similarity: cosine similarity of `source_sentence` with each of `sentences`."""
+
+    inputs: SimilarityInputs
+    truncate: bool | None = None
+    truncation_direction: Direction = "right"
+    prompt_name: str | None = None
+
+    _direction = field_validator("truncation_direction", mode="before")(_direction)
+
+
+class TeiDecodeRequest(Body):
+    """TEI /decode: token ids back to text."""
+
+    ids: Union[TokenIds, list[TokenIds]]
+    skip_special_tokens: bool = True
+
+
+CohereEmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
+
+
+class CohereText(Body):
+    type: Literal["text"]
+    text: str
+
+
+class CohereImage(Body):
+    type: Literal["image_url"]
+    image_url: Any = None
+
+
+class CohereInput(Body):
+    content: list[Annotated[Union[CohereText, CohereImage], Field(discriminator="type")]]
+
+
+class CohereEmbedRequest(Body):
+    """Cohere v2 /v2/embed."""
+
+    model: str | None = None
+    input_type: str | None = None
+    """search_query / search_document / classification / clustering, mapped to the workflow's prompts."""
+    texts: list[str] | None = None
+    images: list[str] | None = None
+    inputs: list[CohereInput] | None = None
+    max_tokens: int | None = Field(None, gt=0)
+    output_dimension: int | None = Field(None, gt=0)
+    embedding_types: list[CohereEmbeddingType] | None = None
+    truncate: Literal["NONE", "START", "END"] = "END"
+    priority: int | None = None
+    """Accepted and ignored: requests are served first come, first served."""
+
+
+class CohereRerankRequest(RerankRequest):
+    """Cohere v2 / vLLM /v2/rerank: the /v1/rerank body plus Cohere's per-document token cap."""
+
+    max_tokens_per_doc: int | None = Field(None, gt=0)
+    priority: int | None = None
 
 
 M = TypeVar("M", bound=BaseModel)

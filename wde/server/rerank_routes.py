@@ -1,4 +1,4 @@
-"""/rerank and /v1/rerank: one path, two request shapes.
+"""/rerank and /v1/rerank: one path, two request shapes; /v2/rerank (Cohere v2, vLLM).
 
 A body with `documents` is Cohere/Jina/vLLM-style and gets `{"results": [{index, relevance_score, document}]}`;
 a body with `texts` is TEI's and gets TEI's bare list `[{index, score, text?}]` (and TEI's error shape).
@@ -11,7 +11,9 @@ import uuid
 from fastapi import APIRouter, Request
 
 from wde.request import PoolingParams
-from wde.server.protocol import Document, RerankRequest, TeiRerankRequest, body_schema, parse, read_json
+from wde.server.errors import ApiError
+from wde.server.protocol import (CohereRerankRequest, Document, RerankRequest, TeiRerankRequest, body_schema, parse,
+                                 read_json)
 from wde.server.responses import JSONResponse
 from wde.server.service import Result, Service, scalar
 
@@ -37,10 +39,30 @@ async def rerank(request: Request) -> JSONResponse:
         request.state.error_style = "tei"
         return await _tei_rerank(svc, request, parse(TeiRerankRequest, raw))
     request.state.error_style = "openai"
-    body = parse(RerankRequest, raw)
+    return await _documents_rerank(svc, request, parse(RerankRequest, raw), truncate=False)
+
+
+@router.post("/v2/rerank", openapi_extra=body_schema(CohereRerankRequest))
+async def rerank_v2(request: Request) -> JSONResponse:
+    """Cohere v2 (and vLLM's /v2/rerank): the /v1/rerank answer plus Cohere's `meta`."""
+    svc: Service = request.app.state.service
+    body = parse(CohereRerankRequest, await read_json(request))
+    svc.check_model(body.model)
+    svc.require("score", "/v2/rerank")
+    cap = body.max_tokens_per_doc
+    if cap is not None and cap < svc.info.max_length:
+        raise ApiError("validation", f"max_tokens_per_doc={cap} is below the model's limit of {svc.info.max_length}"
+                       " tokens per (query, document) pair, and WDE truncates only to that limit; leave it out or"
+                       f" give at least {svc.info.max_length}", "max_tokens_per_doc")
+    # Cohere truncates documents to max_tokens_per_doc; within the model's limit that is at most `cap` tokens.
+    return await _documents_rerank(svc, request, body, truncate=cap is not None)
+
+
+async def _documents_rerank(svc: Service, request: Request, body: RerankRequest, truncate: bool) -> JSONResponse:
     svc.check_model(body.model)
     docs = [d.text if isinstance(d, Document) else d for d in body.documents]
-    params = PoolingParams(truncate=body.truncate, activation=False if body.raw_scores else None, outputs=("score",))
+    params = PoolingParams(truncate=body.truncate or truncate, activation=False if body.raw_scores else None,
+                           outputs=("score",))
     ranked, result = await _scores(svc, request, body.query, docs, params, "documents")
     if body.top_n:
         ranked = ranked[:body.top_n]
@@ -50,8 +72,11 @@ async def rerank(request: Request) -> JSONResponse:
         if body.return_documents:
             item["document"] = {"text": docs[i]}
         results.append(item)
-    return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": svc.model_name, "results": results,
-                         "usage": {"total_tokens": result.prompt_tokens}}, headers=result.headers)
+    content = {"id": f"rerank-{uuid.uuid4().hex}", "model": svc.model_name, "results": results,
+               "usage": {"total_tokens": result.prompt_tokens}}
+    if isinstance(body, CohereRerankRequest):
+        content["meta"] = {"api_version": {"version": "2"}, "tokens": {"input_tokens": result.prompt_tokens}}
+    return JSONResponse(content, headers=result.headers)
 
 
 async def _tei_rerank(svc: Service, request: Request, body: TeiRerankRequest) -> JSONResponse:

@@ -1,4 +1,4 @@
-"""vLLM-style /score (text pairs, or one text against many) and /classify."""
+"""vLLM-style /score and /v1/score (text pairs, or one text against many) and /classify."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def _pairs(text_1: str | list[str], text_2: str | list[str]) -> tuple[list[tuple
 
 
 @router.post("/score", openapi_extra=body_schema(ScoreRequest))
+@router.post("/v1/score", openapi_extra=body_schema(ScoreRequest))
 async def score(request: Request) -> JSONResponse:
     """Cross-encoders score each pair; embedding models answer with the cosine similarity of the two texts."""
     svc: Service = request.app.state.service

@@ -14,6 +14,8 @@ import numpy as np
 from fastapi import Request
 
 from wde.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, input_names
+from wde.core.client import CoreClient
+from wde.engine_info import EngineInfo
 from wde.errors import RequestError
 from wde.model_source import DEFAULT_MODEL
 from wde.request import PoolingParams, RequestOutput
@@ -61,11 +63,13 @@ class Result:
 
 
 class Service:
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncEngine | CoreClient, config: ServerConfig, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
-        self.model_name = config.served_model_name or _public_name(config.model) or DEFAULT_MODEL
+        self.model_names = config.model_names(_public_name(config.model) or DEFAULT_MODEL)
+        """What requests may call the model (aliases included); responses show the first."""
+        self.model_name = self.model_names[0]
         """What responses call the model: never a local path (a model folder is named by its last component)."""
         self.created = int(time.time())
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wde-tokenize-api")
@@ -76,27 +80,27 @@ class Service:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
+
+    @property
     def supported(self) -> tuple[str, ...]:
-        return self.engine.engine.supported_outputs
+        return self.engine.info.outputs
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, self.config.model):
+        if name is not None and name not in self.model_names:
+            aliases = ", ".join(repr(n) for n in self.model_names[1:] if _public_name(n) == n)  # no local paths
             raise ApiError("not_found", f"model {name!r} is not served here; this server serves"
-                           f" {self.model_name!r}", "model")
+                           f" {self.model_name!r}{f' (also accepted: {aliases})' if aliases else ''}", "model")
 
     def require(self, output: str, route: str) -> None:
         if output not in self.supported:
             raise ApiError("unsupported", f"{route} needs {_NEEDS.get(output, repr(output))}, but workflow"
-                           f" {self.engine.engine.workflow.name!r} produces {list(self.supported)}")
+                           f" {self.info.workflow!r} produces {list(self.supported)}")
 
     def labels(self) -> list[str]:
         """Class names in class-id order: the pooler's `labels`, else the model config's id2label."""
-        labels = getattr(self.engine.engine.components["pooler"], "labels", None)
-        if labels is None:
-            labels = getattr(self.engine.engine.source.hf_config, "id2label", None) or {}
-        if isinstance(labels, dict):
-            return [str(labels[k]) for k in sorted(labels, key=int)]
-        return [str(x) for x in labels]
+        return list(self.info.labels)
 
     async def run(self, request: Request, inputs: Sequence[Any], params: PoolingParams | Sequence[PoolingParams],
                   field: str, names: Sequence[str | tuple[str, str]] | None = None) -> Result:
@@ -137,6 +141,21 @@ class Service:
         self.metrics.on_outputs(outputs)
         return Result(outputs, _timing_headers(outputs, start, inputs))
 
+    async def decode(self, ids: list[list[int]], skip_special_tokens: bool, names: list[str]) -> list[str]:
+        """Token ids back to text (TEI /decode) on the service's tokenizer thread; an id outside the
+        vocabulary is an `ApiError` naming it (`names[i][j]`)."""
+        component = self.engine.tokenizer
+        if not hasattr(component, "hf_tokenizer"):
+            raise ApiError("unsupported", "this workflow's tokenizer does not expose a Hugging Face tokenizer")
+        vocab = component.vocab_size
+        for i, row in enumerate(ids):
+            for j, tid in enumerate(row):
+                if not 0 <= tid < vocab:
+                    where = f"{names[i]}[{j}]"
+                    raise ApiError("validation", f"{where} is {tid}; token ids must be integers in [0, {vocab})", where)
+        return await self.off_loop(lambda: component.hf_tokenizer.batch_decode(
+            ids, skip_special_tokens=skip_special_tokens))
+
 
 def _public_name(model: str | None) -> str | None:
     """A model argument fit to show clients: a hub id as given, a local folder by its name alone."""
@@ -166,6 +185,7 @@ async def _unless_disconnected(request: Request, work: Any) -> list[RequestOutpu
         watcher.cancel()
     if task not in done:
         task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # its clean-up (aborting the requests) runs first
         raise ClientDisconnected()
     return task.result()
 

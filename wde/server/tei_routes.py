@@ -14,8 +14,10 @@ import wde
 from wde.errors import RequestError
 from wde.request import PoolingParams
 from wde.server.errors import ApiError, error_response
-from wde.server.protocol import (TeiEmbedRequest, TeiPredictRequest, TeiSparseRequest, TeiTokenizeRequest, body_schema,
-                                 embed_items, item_names, parse, read_json)
+from wde.server.protocol import (TeiDecodeRequest, TeiEmbedAllRequest, TeiEmbedRequest, TeiPredictRequest,
+                                 TeiSimilarityRequest, TeiSparseRequest, TeiTokenizeRequest, body_schema, embed_items,
+                                 item_names, parse, read_json)
+from wde.server.quantize import quantize_rows, to_base64
 from wde.server.responses import JSONResponse
 from wde.server.service import Service, api_error, scalar
 
@@ -35,7 +37,60 @@ async def embed(request: Request) -> JSONResponse:
                            normalize=body.normalize, prompt_name=body.prompt_name, dimensions=body.dimensions,
                            outputs=("dense",))
     result = await svc.run(request, embed_items(body.inputs), params, "inputs", item_names("inputs", body.inputs))
-    return JSONResponse([np.ascontiguousarray(v, dtype=np.float32) for v in result.dense], headers=result.headers)
+    vectors = quantize_rows(result.dense, body.embed_dtype, svc.config.quantization_ranges, "embed_dtype")
+    if body.encoding_format == "base64":
+        return JSONResponse([to_base64(v) for v in vectors], headers=result.headers)
+    return JSONResponse(vectors, headers=result.headers)
+
+
+@router.post("/embed_all", openapi_extra=body_schema(TeiEmbedAllRequest))
+async def embed_all(request: Request) -> JSONResponse:
+    """Every token's final hidden state (special tokens included), unnormalized: [[[float]]]."""
+    svc = service(request)
+    body = parse(TeiEmbedAllRequest, await read_json(request))
+    if "token_embeddings" not in svc.supported:
+        raise ApiError("unsupported", f"/embed_all needs per-token states (output 'token_embeddings'), but workflow"
+                       f" {svc.info.workflow!r} produces {list(svc.supported)}; serve an embedder with"
+                       " `--set pooler.name=sentence_tokens`")
+    params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
+                           normalize=False, prompt_name=body.prompt_name, outputs=("token_embeddings",))
+    result = await svc.run(request, embed_items(body.inputs), params, "inputs", item_names("inputs", body.inputs))
+    return JSONResponse([np.ascontiguousarray(o.outputs["token_embeddings"], dtype=np.float32)
+                         for o in result.outputs], headers=result.headers)
+
+
+@router.post("/similarity", openapi_extra=body_schema(TeiSimilarityRequest))
+async def similarity(request: Request) -> JSONResponse:
+    """Cosine similarity of `inputs.source_sentence` with each of `inputs.sentences`, in their order."""
+    svc = service(request)
+    body = parse(TeiSimilarityRequest, await read_json(request))
+    svc.require("dense", "/similarity")
+    sentences = body.inputs.sentences
+    if not sentences:
+        raise ApiError("empty", "inputs.sentences is empty: send at least one sentence", "inputs.sentences")
+    params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
+                           normalize=True, prompt_name=body.prompt_name, outputs=("dense",))
+    names = ["inputs.source_sentence"] + [f"inputs.sentences[{i}]" for i in range(len(sentences))]
+    result = await svc.run(request, [body.inputs.source_sentence, *sentences], params, "inputs", names)
+    source, *others = result.dense
+    return JSONResponse([float(np.dot(source, v)) for v in others], headers=result.headers)
+
+
+@router.post("/decode", openapi_extra=body_schema(TeiDecodeRequest))
+async def decode(request: Request) -> JSONResponse:
+    """Token ids back to text: one text per id list (a single list gives a one-element answer)."""
+    svc = service(request)
+    body = parse(TeiDecodeRequest, await read_json(request))
+    single = not body.ids or isinstance(body.ids[0], int)
+    rows: list[list[int]] = [body.ids] if single else body.ids  # type: ignore[list-item]
+    if not rows or any(not row for row in rows):
+        where = "ids" if single else f"ids[{next(i for i, row in enumerate(rows) if not row)}]"
+        raise ApiError("empty", f"{where} is empty: send at least one token id", where)
+    if len(rows) > svc.config.max_client_batch_size:
+        raise ApiError("validation", f"batch size {len(rows)} > maximum allowed batch size"
+                       f" {svc.config.max_client_batch_size}", "ids")
+    names = ["ids"] if single else [f"ids[{i}]" for i in range(len(rows))]
+    return JSONResponse(await svc.decode(rows, body.skip_special_tokens, names))
 
 
 @router.post("/embed_sparse", openapi_extra=body_schema(TeiSparseRequest))
@@ -112,17 +167,17 @@ async def tokenize(request: Request) -> JSONResponse:
     if len(texts) > svc.config.max_client_batch_size:
         raise ApiError("validation", f"batch size {len(texts)} > maximum allowed batch size"
                        f" {svc.config.max_client_batch_size}", "inputs")
-    component = svc.engine.engine.tokenizer
+    component = svc.engine.tokenizer
     if not hasattr(component, "hf_tokenizer"):
         raise ApiError("unsupported", "this workflow's tokenizer does not expose a Hugging Face tokenizer")
-    check = getattr(svc.engine.engine.input_processor, "check_text", None)
+    check = getattr(svc.engine.input_processor, "check_text", None)
     if check is not None:
         for text, name in zip(texts, item_names("inputs", body.inputs)):
             try:
                 check(text, name)
             except RequestError as e:
                 raise api_error(e) from None
-    prompts = getattr(svc.engine.engine.input_processor, "prompts", {})
+    prompts = getattr(svc.engine.input_processor, "prompts", {})
     if body.prompt_name is not None and body.prompt_name not in prompts:
         raise ApiError("validation", f"prompt_name {body.prompt_name!r} is not defined; defined prompts:"
                        f" {sorted(prompts) or 'none'}", "prompt_name")
@@ -155,36 +210,31 @@ def _model_type(svc: Service) -> dict:
         classes = {"id2label": {str(i): name for i, name in enumerate(labels)},
                    "label2id": {name: i for i, name in enumerate(labels)}}
         return {"classifier" if "probs" in supported else "reranker": classes}
-    pooler = svc.engine.engine.components["pooler"]
-    pooling = getattr(pooler, "mode", svc.engine.engine.workflow.components["pooler"].name)
-    return {"embedding": {"pooling": str(pooling)}}
+    return {"embedding": {"pooling": svc.info.pooling}}
 
 
 @router.get("/info")
 async def info(request: Request) -> JSONResponse:
     svc = service(request)
-    engine = svc.engine.engine
-    model = engine.components["model"]
-    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
-    sched = getattr(engine.scheduler, "params", None)
+    info = svc.info
     return JSONResponse({
         "model_id": svc.model_name,
         "model_sha": None,
-        "model_dtype": str(param.dtype).removeprefix("torch.") if param is not None else "unknown",
+        "model_dtype": info.dtype,
         "served_model_name": svc.model_name,
         "model_type": _model_type(svc),
         "max_concurrent_requests": svc.config.max_concurrent_requests,
-        "max_input_length": engine.max_length,
-        "max_batch_tokens": getattr(engine.scheduler, "token_budget", None),
-        "max_batch_requests": getattr(sched, "max_num_requests", None),
+        "max_input_length": info.max_length,
+        "max_batch_tokens": info.token_budget,
+        "max_batch_requests": info.max_num_requests,
         "max_client_batch_size": svc.config.max_client_batch_size,
         "auto_truncate": False,
         "tokenization_workers": 1,
         "version": wde.__version__,
         "sha": None,
         "docker_label": None,
-        "workflow": engine.workflow.name,
-        "outputs": list(engine.supported_outputs),
+        "workflow": info.workflow,
+        "outputs": list(info.outputs),
     })
 
 

@@ -1,8 +1,10 @@
 """`auto`: the fastest attention backend that runs where the batch is.
 
 CUDA batches go to the Triton varlen kernel (no padding at all; 2–12x faster than padded SDPA in
-docs/benchmarks.md), everything else to `torch_sdpa`. The choice is made per batch from the tensors' device,
-so a model placed on CPU on a machine with a GPU still works.
+docs/benchmarks.md). CPU batches go to `cpu_varlen` (per-sequence SDPA on views of the packed tensors) when
+their sequences are long enough for it to win (`cpu_varlen.prefer_varlen`), else to `torch_sdpa`. The choice
+is made per batch from the tensors' device and lengths, so a model placed on CPU on a machine with a GPU still
+works.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from wde.components.attention.base import AttentionBackend, AttentionMetadata, AttentionParams
+from wde.components.attention.cpu_varlen import CpuVarlenBackend, prefer_varlen
 from wde.components.attention.torch_sdpa import TorchSDPABackend
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
@@ -17,20 +20,26 @@ from wde.components.model_input_builder import ModelInput
 
 class AutoBackend(AttentionBackend):
     name = "auto"
+    supports_bias = True  # a biased batch goes to torch_sdpa (CPU) or triton_varlen (CUDA), which take one
 
     def __init__(self, params: AttentionParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
         self._cpu: AttentionBackend = TorchSDPABackend(params, ctx)
+        self._cpu_varlen: AttentionBackend = CpuVarlenBackend(params, ctx)
         self._cuda: AttentionBackend = self._cpu
         if torch.cuda.is_available():
             from wde.components.attention.triton_varlen import TritonVarlenBackend
 
             self._cuda = TritonVarlenBackend(params, ctx)
 
-    def build_metadata(self, batch: ModelInput, causal: bool) -> AttentionMetadata:
-        backend = self._cuda if batch.input_ids.is_cuda else self._cpu
-        meta = backend.build_metadata(batch, causal)
-        return AttentionMetadata(meta.cu_seqlens, meta.seq_lens, meta.max_seqlen, meta.causal, (backend, meta))
+    def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None) -> AttentionMetadata:
+        if batch.input_ids.is_cuda:
+            backend = self._cuda
+        else:  # cpu_varlen takes no bias: a biased batch stays on torch_sdpa
+            backend = self._cpu_varlen if bias is None and prefer_varlen(batch.seq_lens) else self._cpu
+        meta = backend.build_metadata(batch, causal, bias)
+        return AttentionMetadata(meta.cu_seqlens, meta.seq_lens, meta.max_seqlen, meta.causal, (backend, meta),
+                                 bias=bias)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

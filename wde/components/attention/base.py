@@ -3,28 +3,51 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from wde.components.base import BuildContext, Component, Params
+from wde.components.base import BuildContext, Component
 from wde.components.model_input_builder import ModelInput
-
-
-class AttentionParams(Params):
-    causal: bool | None = None
-    """True: causal mask; False: bidirectional; None: what the model config states, else the model's default."""
+from wde.components.params import AttentionParams  # torch-free, so validating a workflow needs no torch
 
 
 @dataclass
 class AttentionMetadata:
-    """Per-batch data a backend needs, built once per forward and shared by every layer."""
+    """Per-batch data a backend needs, built once per forward and shared by every layer.
+
+    `bias`, when set, is an additive attention bias (see `check_bias`); only a backend whose class sets
+    `supports_bias = True` is ever handed one.
+    """
 
     cu_seqlens: torch.Tensor
     seq_lens: list[int]
     max_seqlen: int
     causal: bool
     extra: Any = None
+    bias: torch.Tensor | None = None
+
+
+def check_bias(bias: torch.Tensor, num_seqs: int, max_seqlen: int) -> None:
+    """Validate an additive attention bias for a packed batch.
+
+    The bias is added to the (already scaled) score of the query at position i and the key at position j of the
+    same sequence, positions counted from each sequence's first token. Two shapes are accepted:
+
+    - `[heads, L, L]`: one bias shared by every sequence (a relative position bias, as in T5);
+    - `[num_seqs, heads, L, L]`: one bias per sequence.
+
+    `heads` is the number of query heads and `L >= max_seqlen` (a sequence of length n uses `[..., :n, :n]`).
+    The causal mask, when on, still applies on top of it.
+    """
+    if bias.dim() not in (3, 4):
+        raise ValueError(f"attention bias must be [heads, L, L] or [num_seqs, heads, L, L], got {tuple(bias.shape)}")
+    if bias.dim() == 4 and bias.shape[0] != num_seqs:
+        raise ValueError(f"per-sequence attention bias has {bias.shape[0]} rows for {num_seqs} sequences")
+    if bias.shape[-1] < max_seqlen or bias.shape[-2] < max_seqlen:
+        raise ValueError(f"attention bias covers {tuple(bias.shape[-2:])} positions, the batch needs {max_seqlen}")
+    if not bias.is_floating_point():
+        raise ValueError(f"attention bias must be a floating-point tensor, got {bias.dtype}")
 
 
 class AttentionBackend(Component):
@@ -32,6 +55,10 @@ class AttentionBackend(Component):
 
     kind = "attention"
     Params = AttentionParams
+    supports_bias: ClassVar[bool] = False
+    """Whether `build_metadata` accepts an additive `bias` (see `check_bias`). A backend that leaves it False is
+    never given one: models that need a bias refuse to build with it, and `auto` must not route a biased batch
+    to it."""
 
     def __init__(self, params: AttentionParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
@@ -54,8 +81,13 @@ class AttentionBackend(Component):
             return self._config_causal
         return model_default
 
-    def build_metadata(self, batch: ModelInput, causal: bool) -> AttentionMetadata:
-        return AttentionMetadata(batch.cu_seqlens, batch.seq_lens, batch.max_seqlen, causal)
+    def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None) -> AttentionMetadata:
+        """The batch's metadata, built once per forward. `bias` is passed only to backends with `supports_bias`."""
+        if bias is not None:
+            if not self.supports_bias:
+                raise ValueError(f"attention backend {self.name!r} does not support an attention bias")
+            check_bias(bias, batch.num_seqs, batch.max_seqlen)
+        return AttentionMetadata(batch.cu_seqlens, batch.seq_lens, batch.max_seqlen, causal, bias=bias)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

@@ -5,6 +5,10 @@ the padding small, sequences are sorted by length and split into groups whose pa
 `_MAX_WASTE` of their real size; each group is one SDPA call. Padding slots gather a real (finite) token and are
 masked out as keys, so no block needs zero-filling. Only attention pays for padding; every other layer works on
 packed tokens. A group whose sequences all have one length needs no mask, and the fast kernels apply.
+
+An additive bias (`AttentionMetadata.bias`) becomes each group's float mask, built once per batch: the bias
+sliced to the group's length (gathered per sequence when it is per-sequence), with padded keys and, when
+causal, future keys set to -inf.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ _MAX_WASTE = 1.25
 @dataclass
 class _Group:
     """Sequences attended together: `gather` fills the [n, lmax] block from packed tokens, `valid` picks the
-    real slots back out of it."""
+    real slots back out of it; `mask` is boolean (padding / causal) or, with a bias, the float mask."""
 
     n: int
     lmax: int
@@ -49,13 +53,30 @@ def _plan_groups(seq_lens: list[int]) -> list[list[int]]:
     return groups
 
 
+def _bias_mask(bias: torch.Tensor, members: list[int], lmax: int, key_valid: torch.Tensor | None,
+               causal: bool) -> torch.Tensor:
+    """A group's float mask [n or 1, heads, lmax, lmax]: the bias, -inf on padded (and, causal, future) keys."""
+    if bias.dim() == 4:
+        mask = bias.index_select(0, torch.tensor(members, device=bias.device))[:, :, :lmax, :lmax]
+    else:
+        mask = bias[None, :, :lmax, :lmax]
+    keep = key_valid
+    if causal:
+        tril = torch.ones(lmax, lmax, dtype=torch.bool, device=bias.device).tril()[None, None]
+        keep = tril if keep is None else keep & tril
+    if keep is not None:
+        mask = mask.masked_fill(~keep, float("-inf"))
+    return mask.contiguous()
+
+
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
+    supports_bias = True
 
-    def build_metadata(self, batch: ModelInput, causal: bool) -> AttentionMetadata:
-        meta = super().build_metadata(batch, causal)
+    def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None) -> AttentionMetadata:
+        meta = super().build_metadata(batch, causal, bias)
         lens = batch.seq_lens
-        if all(length == batch.max_seqlen for length in lens):
+        if bias is None and all(length == batch.max_seqlen for length in lens):
             meta.extra = None
             return meta
         starts = batch.cu_seqlens.tolist()
@@ -74,8 +95,10 @@ class TorchSDPABackend(AttentionBackend):
             mask = None
             if padded:
                 mask = (torch.arange(lmax, device=device)[None, :] < g_lens[:, None])[:, None, None, :]
-                if causal:
-                    mask = mask & torch.ones(lmax, lmax, dtype=torch.bool, device=device).tril()[None, None]
+            if bias is not None:
+                mask = _bias_mask(bias, members, lmax, mask, causal)
+            elif padded and causal:
+                mask = mask & torch.ones(lmax, lmax, dtype=torch.bool, device=device).tril()[None, None]
             groups.append(_Group(len(members), lmax, torch.tensor(gather, device=device),
                                  torch.tensor(valid, device=device) if padded else None, mask))
             token_order.append(torch.tensor([t for i in members for t in range(starts[i], starts[i] + lens[i])]))
@@ -88,6 +111,8 @@ class TorchSDPABackend(AttentionBackend):
                 scale: float) -> torch.Tensor:
         hq, d = q.shape[1], q.shape[2]
         rep = hq // k.shape[1]
+        if meta.bias is not None and meta.bias.shape[-3] != hq:
+            raise ValueError(f"attention bias has {meta.bias.shape[-3]} heads, the queries have {hq}")
         if meta.extra is None:
             n, lmax = len(meta.seq_lens), meta.max_seqlen
             return self._sdpa(q.view(n, lmax, hq, d), k.view(n, lmax, -1, d), v.view(n, lmax, -1, d),
@@ -96,7 +121,8 @@ class TorchSDPABackend(AttentionBackend):
         outs = []
         for g in groups:
             qb, kb, vb = (x.index_select(0, g.gather).view(g.n, g.lmax, -1, d) for x in (q, k, v))
-            ob = self._sdpa(qb, kb, vb, g.mask, meta.causal, scale, rep).reshape(g.n * g.lmax, hq, d)
+            mask = g.mask if g.mask is None or g.mask.dtype == torch.bool else g.mask.to(q.dtype)
+            ob = self._sdpa(qb, kb, vb, mask, meta.causal, scale, rep).reshape(g.n * g.lmax, hq, d)
             outs.append(ob if g.valid is None else ob.index_select(0, g.valid))
         return torch.cat(outs).index_select(0, inverse)
 

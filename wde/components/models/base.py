@@ -3,30 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-from typing import ClassVar, Iterator, Literal
+from typing import ClassVar, Iterator, Mapping
 
 import torch
 from torch import nn
 
-from wde.components.attention.base import AttentionBackend
+from wde.components.attention.base import AttentionBackend, AttentionMetadata
 from wde.components.base import BuildContext, Component, Params
 from wde.components.model_input_builder import ModelInput
-from wde.components.models.cpu_linear import CpuLinear, pack_linears, resolve_cpu_linear
+from wde.components.models.cpu_linear import pack_linears, resolve_cpu_linear
 from wde.components.models.loader import load_weights
+from wde.components.params import ModelParams  # torch-free, so validating a workflow needs no torch
 from wde.device import default_device, suggest_cpu_bf16
 from wde.errors import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class ModelParams(Params):
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    """auto: float16 on CUDA, float32 on CPU."""
-    device: str = "auto"
-    """auto: cuda when available, else cpu; or any torch device string."""
-    cpu_linear: CpuLinear = "auto"
-    """On CPU: linear layers through PyTorch (MKL) or oneDNN with prepacked weights; auto: oneDNN for float32 on
-    AVX-512 hosts (about twice as fast) and for bfloat16 on native-bf16 hosts (wde/components/models/cpu_linear.py)."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -55,16 +46,23 @@ class PrefillModel(nn.Module, Component):
     """A model over packed tokens. Subclasses build their layers in `build(config)` and implement `forward`.
 
     Class attributes describe the checkpoint so the loader stays generic (nano-vllm's habit):
-    `checkpoint_prefixes` are stripped from checkpoint names, `packed_modules_mapping` maps separate
+    `checkpoint_prefixes` are stripped from checkpoint names, `checkpoint_name_mapping` renames dotted name
+    parts (applied in order, e.g. `{"block": "encoder.layer"}`), `packed_modules_mapping` maps separate
     checkpoint projections (q, k, v) onto one fused parameter and its shard, and `default_causal` is the
     attention mask the family uses when neither the workflow nor the config says otherwise.
+    `uses_attention_bias` says the model passes an additive bias to its attention backend, so the model refuses
+    to build with a backend that lacks `supports_bias`.
+
+    Set before `build` runs: `config` (the Hugging Face config), `device`, `dtype`, `causal`, `attn_backend`.
     """
 
     kind = "model"
     Params: ClassVar[type[Params]] = ModelParams
     checkpoint_prefixes: ClassVar[tuple[str, ...]] = ()
+    checkpoint_name_mapping: ClassVar[Mapping[str, str]] = {}
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {}
     default_causal: ClassVar[bool] = False
+    uses_attention_bias: ClassVar[bool] = False
 
     def __init__(self, params: ModelParams, ctx: BuildContext) -> None:
         nn.Module.__init__(self)
@@ -75,12 +73,18 @@ class PrefillModel(nn.Module, Component):
         if params.dtype == "auto":  # an explicit float32 is the user's choice: no hint then
             suggest_cpu_bf16(self.device, self.dtype)
         self.attn_backend: AttentionBackend = ctx.attention
+        if self.uses_attention_bias and not self.attn_backend.supports_bias:
+            raise ModelLoadError(
+                f"model {self.name!r} adds an attention bias, which attention {self.attn_backend.name!r} does not"
+                " support; use attention: {name: torch_sdpa} or {name: triton_varlen}")
         self.causal = self.attn_backend.resolve_causal(self.default_causal)
+        self._check_position_table(ctx)
         with torch.device(self.device), _default_dtype(self.dtype):
             self.build(self.config)
         self.eval()
         try:
-            load_weights(self, ctx.source.iter_weights(), self.checkpoint_prefixes, self.packed_modules_mapping)
+            load_weights(self, ctx.source.iter_weights(), self.checkpoint_prefixes, self.packed_modules_mapping,
+                         self.checkpoint_name_mapping)
         except ModelLoadError as e:
             raise ModelLoadError(f"{type(self).__name__} cannot load {ctx.source.path}: {e}") from None
         self.linear_backend = resolve_cpu_linear(params.cpu_linear, self.device, self.dtype)
@@ -91,7 +95,36 @@ class PrefillModel(nn.Module, Component):
 
     @property
     def hidden_size(self) -> int:
+        """Width of the hidden states `forward` returns (poolers size their output from it)."""
         return int(self.config.hidden_size)
+
+    def position_offset_for(self, cfg: object) -> int:
+        """Index of position 0 in the model's position table (RoBERTa: `pad_token_id + 1`); 0 by default."""
+        return 0
+
+    def position_table_size(self, cfg: object) -> int | None:
+        """Rows of the absolute position table, or None when the model has none (rotary, relative)."""
+        return None
+
+    def _check_position_table(self, ctx: BuildContext) -> None:
+        """Refuse a tokenizer that lets inputs overrun the position table (which would fail mid-batch)."""
+        table = self.position_table_size(self.config)
+        limit = getattr(ctx.components.get("tokenizer"), "max_length", None)
+        if table is None or not isinstance(limit, int):
+            return
+        offset = self.position_offset_for(self.config)
+        if limit + offset > table:
+            raise ModelLoadError(
+                f"inputs of up to {limit} tokens are allowed (tokenizer max_length) but the position table holds"
+                f" {table} positions from offset {offset}; set tokenizer.params.max_length <= {table - offset}"
+                f" (or tokenizer.params.position_offset: {offset})")
+
+    def attention_metadata(self, batch: ModelInput, bias: torch.Tensor | None = None) -> AttentionMetadata:
+        """The batch's attention metadata (built once per forward, shared by every layer), with this model's
+        causal setting and an optional additive bias (see `wde.components.attention.base.check_bias`)."""
+        if bias is None:
+            return self.attn_backend.build_metadata(batch, self.causal)
+        return self.attn_backend.build_metadata(batch, self.causal, bias=bias)
 
     def build(self, config: object) -> None:
         raise NotImplementedError

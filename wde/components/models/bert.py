@@ -6,6 +6,8 @@ Parameter names follow the Hugging Face checkpoint, except that query/key/value 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
@@ -13,85 +15,156 @@ from transformers.activations import ACT2FN
 from wde.components.attention.base import AttentionBackend, AttentionMetadata
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.base import PrefillModel
+from wde.components.models.decoder_layers import RMSNorm
 from wde.components.models.fused import add_layer_norm
 from wde.components.models.loader import fused_linear
 from wde.errors import ModelLoadError
 
 
 class BertEmbeddings(nn.Module):
-    def __init__(self, cfg: object, position_offset: int) -> None:
+    """Token (+ absolute position) (+ token type) embeddings (+ LayerNorm), each part switchable.
+
+    :param position_offset: index of position 0 in the position table (RoBERTa: `pad_token_id + 1`).
+    :param positions: add absolute position embeddings (off for rotary or relative-position models).
+    :param token_types: add token type embeddings (row 0 when the batch has none).
+    :param layer_norm: finish with LayerNorm (`cfg.layer_norm_eps`); off for pre-norm models.
+    """
+
+    def __init__(self, cfg: object, position_offset: int = 0, *, positions: bool = True, token_types: bool = True,
+                 layer_norm: bool = True) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.token_type_embeddings = nn.Embedding(max(cfg.type_vocab_size, 1), cfg.hidden_size)
-        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        if positions:
+            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        if token_types:
+            self.token_type_embeddings = nn.Embedding(max(cfg.type_vocab_size, 1), cfg.hidden_size)
+        if layer_norm:
+            self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.position_offset = position_offset
 
     def forward(self, batch: ModelInput) -> torch.Tensor:
-        x = self.word_embeddings(batch.input_ids) + self.position_embeddings(batch.positions + self.position_offset)
-        if batch.token_type_ids is not None:
-            x = x + self.token_type_embeddings(batch.token_type_ids)
-        else:
-            x = x + self.token_type_embeddings.weight[0]
-        return self.LayerNorm(x)
+        x = self.word_embeddings(batch.input_ids)
+        if hasattr(self, "position_embeddings"):
+            x = x + self.position_embeddings(batch.positions + self.position_offset)
+        if hasattr(self, "token_type_embeddings"):
+            if batch.token_type_ids is not None:
+                x = x + self.token_type_embeddings(batch.token_type_ids)
+            else:
+                x = x + self.token_type_embeddings.weight[0]
+        return self.LayerNorm(x) if hasattr(self, "LayerNorm") else x
 
 
 class BertSelfOutput(nn.Module):
-    def __init__(self, cfg: object, in_features: int) -> None:
+    """`dense(x) + residual`, then LayerNorm when `norm` (BERT's post-norm); `norm=False` for pre-norm blocks."""
+
+    def __init__(self, cfg: object, in_features: int, *, bias: bool = True, norm: bool = True) -> None:
         super().__init__()
-        self.dense = nn.Linear(in_features, cfg.hidden_size)
-        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dense = nn.Linear(in_features, cfg.hidden_size, bias=bias)
+        if norm:
+            self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return add_layer_norm(self.dense(x), residual, self.LayerNorm)
+        if hasattr(self, "LayerNorm"):
+            return add_layer_norm(self.dense(x), residual, self.LayerNorm)
+        return self.dense(x) + residual
 
 
 class BertAttention(nn.Module):
-    def __init__(self, cfg: object, backend: AttentionBackend) -> None:
+    """Self-attention with one fused q|k|v projection (`qkv`, shards 0/1/2) and an output projection.
+
+    :param bias: whether the projections have biases (T5: none).
+    :param head_dim: per-head width; default `hidden_size // num_attention_heads` (T5: `d_kv`).
+    :param scale: score scale; default `head_dim ** -0.5` (T5: 1.0).
+    :param post_norm: add the residual and LayerNorm (BERT); False: only add the residual (pre-norm blocks).
+    """
+
+    def __init__(self, cfg: object, backend: AttentionBackend, *, bias: bool = True, head_dim: int | None = None,
+                 scale: float | None = None, post_norm: bool = True) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        self.scale = self.head_dim ** -0.5
-        self.qkv = fused_linear(cfg.hidden_size, [cfg.hidden_size] * 3, bias=True)
-        self.output = BertSelfOutput(cfg, cfg.hidden_size)
+        self.head_dim = head_dim or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = self.head_dim ** -0.5 if scale is None else scale
+        inner = self.num_heads * self.head_dim
+        self.qkv = fused_linear(cfg.hidden_size, [inner] * 3, bias=bias)
+        self.output = BertSelfOutput(cfg, inner, bias=bias, norm=post_norm)
         self.backend = backend
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over `x` plus `residual` (default: `x` itself)."""
         q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
         attn = self.backend.forward(q, k, v, meta, self.scale)
-        return self.output(attn.reshape(x.shape[0], -1), x)
+        return self.output(attn.reshape(x.shape[0], -1), x if residual is None else residual)
 
 
 class BertIntermediate(nn.Module):
-    def __init__(self, cfg: object) -> None:
+    """`act(dense(x))`, or with `gated` `act(gate(x)) * up(x)` from one fused `dense` (shards 0 = gate, 1 = up).
+
+    :param size: width; default `cfg.intermediate_size`. :param act: activation name; default `cfg.hidden_act`.
+    """
+
+    def __init__(self, cfg: object, *, bias: bool = True, size: int | None = None, act: str | None = None,
+                 gated: bool = False) -> None:
         super().__init__()
-        self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.act = ACT2FN[cfg.hidden_act]
+        self.size = size or cfg.intermediate_size
+        self.gated = gated
+        if gated:
+            self.dense = fused_linear(cfg.hidden_size, [self.size] * 2, bias=bias)
+        else:
+            self.dense = nn.Linear(cfg.hidden_size, self.size, bias=bias)
+        self.act = ACT2FN[act or cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = self.dense(x).split(self.size, dim=-1)
+            return self.act(gate) * up
         return self.act(self.dense(x))
 
 
 class BertLayer(nn.Module):
-    def __init__(self, cfg: object, backend: AttentionBackend) -> None:
+    """One encoder block: attention then MLP, each with a residual.
+
+    Post-norm (BERT, default): LayerNorm after each residual add. With `pre_norm_eps` (T5-style): RMSNorm
+    (`attention_norm`, `mlp_norm`) before attention and MLP, no norm after. The other keyword arguments go to
+    `BertAttention` (`bias`, `head_dim`, `scale`) and `BertIntermediate` (`bias`, `intermediate_size`, `act`,
+    `gated`).
+    """
+
+    def __init__(self, cfg: object, backend: AttentionBackend, *, bias: bool = True, head_dim: int | None = None,
+                 scale: float | None = None, intermediate_size: int | None = None, act: str | None = None,
+                 gated: bool = False, pre_norm_eps: float | None = None) -> None:
         super().__init__()
-        self.attention = BertAttention(cfg, backend)
-        self.intermediate = BertIntermediate(cfg)
-        self.output = BertSelfOutput(cfg, cfg.intermediate_size)
+        post_norm = pre_norm_eps is None
+        self.attention = BertAttention(cfg, backend, bias=bias, head_dim=head_dim, scale=scale, post_norm=post_norm)
+        self.intermediate = BertIntermediate(cfg, bias=bias, size=intermediate_size, act=act, gated=gated)
+        self.output = BertSelfOutput(cfg, self.intermediate.size, bias=bias, norm=post_norm)
+        if not post_norm:
+            self.attention_norm = RMSNorm(cfg.hidden_size, pre_norm_eps)
+            self.mlp_norm = RMSNorm(cfg.hidden_size, pre_norm_eps)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if hasattr(self, "attention_norm"):
+            x = self.attention(self.attention_norm(x)[0], meta, residual=x)
+            return self.output(self.intermediate(self.mlp_norm(x)[0]), x)
         x = self.attention(x, meta)
         return self.output(self.intermediate(x), x)
 
 
 class BertEncoder(nn.Module):
-    def __init__(self, cfg: object, backend: AttentionBackend) -> None:
+    """`cfg.num_hidden_layers` layers made by `make_layer` (default: `BertLayer(cfg, backend)`)."""
+
+    def __init__(self, cfg: object, backend: AttentionBackend,
+                 make_layer: Callable[[], nn.Module] | None = None) -> None:
         super().__init__()
-        self.layer = nn.ModuleList(BertLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        make_layer = make_layer or (lambda: BertLayer(cfg, backend))
+        self.layer = nn.ModuleList(make_layer() for _ in range(cfg.num_hidden_layers))
 
 
 class BertModel(PrefillModel):
-    """Bidirectional BERT encoder; returns the last hidden states of every packed token."""
+    """Bidirectional BERT encoder; returns the last hidden states of every packed token.
+
+    Subclasses change one part through the hooks: `build_embeddings`, `build_layer`, `attention_bias` (per batch,
+    computed once and shared by every layer) and `final_norm`; `forward` stays the same loop.
+    """
 
     name = "bert"
     checkpoint_prefixes = ("bert.",)
@@ -103,21 +176,40 @@ class BertModel(PrefillModel):
     position_offset = 0
 
     def build(self, cfg: object) -> None:
+        self.embeddings = self.build_embeddings(cfg)
+        self.encoder = BertEncoder(cfg, self.attn_backend, lambda: self.build_layer(cfg))
+
+    def build_embeddings(self, cfg: object) -> nn.Module:
+        """The module mapping a `ModelInput` to the first hidden states [tokens, hidden]."""
         kind = getattr(cfg, "position_embedding_type", "absolute") or "absolute"
         if kind != "absolute":
             raise ModelLoadError(f"{type(self).__name__} supports absolute position embeddings only, config has {kind!r}")
-        self.embeddings = BertEmbeddings(cfg, self.position_offset_for(cfg))
-        self.encoder = BertEncoder(cfg, self.attn_backend)
+        return BertEmbeddings(cfg, self.position_offset_for(cfg))
+
+    def build_layer(self, cfg: object) -> nn.Module:
+        """One layer: a module called as `layer(hidden, meta)`."""
+        return BertLayer(cfg, self.attn_backend)
 
     def position_offset_for(self, cfg: object) -> int:
         return self.position_offset
 
+    def position_table_size(self, cfg: object) -> int | None:
+        return getattr(cfg, "max_position_embeddings", None)
+
+    def attention_bias(self, batch: ModelInput) -> torch.Tensor | None:
+        """An additive attention bias for this batch (see `check_bias`), or None; BERT has none."""
+        return None
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """Applied to the last layer's output (pre-norm models normalize here); BERT: identity."""
+        return x
+
     def forward(self, batch: ModelInput) -> torch.Tensor:
-        meta = self.attn_backend.build_metadata(batch, self.causal)
+        meta = self.attention_metadata(batch, self.attention_bias(batch))
         x = self.embeddings(batch)
         for layer in self.encoder.layer:
             x = layer(x, meta)
-        return x
+        return self.final_norm(x)
 
 
 class XLMRobertaModel(BertModel):

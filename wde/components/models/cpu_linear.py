@@ -1,63 +1,172 @@
-"""oneDNN linear layers with prepacked weights for CPU models (fp32 on AVX-512 hosts, bf16 on native-bf16 hosts).
+"""oneDNN linear layers with prepacked weights for CPU models, and GELU fused into the GEMM that feeds it.
 
 PyTorch's CPU linear goes through MKL, which takes its AVX2 code path on some CPUs (AMD's among them) even where
 AVX-512 is there; oneDNN with weights reordered once into its blocked layout runs the same fp32 GEMMs at over
 twice the rate on such hosts (benchmarks/cpu_ceiling.py: 481 vs 206 GFLOP/s on a Zen 5; all-MiniLM-L6-v2
-end to end 1.95x at a max abs diff of 3e-7). On AVX2-only hosts it measured no faster (0.98x), so `auto`
-keeps PyTorch's path there. In bfloat16 (where the CPU has avx512_bf16 or AMX) the prepacked weights save
-another ~1.2x over PyTorch's own bf16 linear.
+end to end 1.95x at a max abs diff of 3e-7). In bfloat16 (where the CPU has avx512_bf16 or AMX) the prepacked
+weights save another ~1.2x over PyTorch's own bf16 linear. AVX2-only hosts: see `_ONEDNN_FP32_ON_AVX2`.
+
+`auto` decides from what PyTorch itself detected on the CPU it runs on (`torch.cpu.get_capabilities()`, and
+`mkldnn._is_mkldnn_bf16_supported()` for bf16), never from /proc/cpuinfo flags, and a tiny prepacked linear is
+run once per dtype before a model is packed: if oneDNN refuses, the model keeps PyTorch's path and one warning
+says why. Packing also fuses an activation into the linear layer before it (oneDNN post-op) where a module is
+exactly `dense` + one activation of a kind listed in `_POST_OPS`, and only after the fused module reproduced
+the unfused one on a probe input.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import functools
+import logging
+from typing import Any, Literal, Mapping
 
 import torch
 from torch import nn
+from transformers.activations import GELUActivation, GELUTanh, NewGELUActivation
 
-from wde.device import cpu_flags, cpu_has_fast_bf16
+from wde.components.params import CpuLinear  # the choice lives with ModelParams, torch-free
 
-CpuLinear = Literal["auto", "torch", "onednn"]
+log = logging.getLogger("wde.models")
+
+_ONEDNN_FP32_ON_AVX2 = False
+"""Whether `auto` prepacks fp32 linears on AVX2-only hosts (docs/benchmarks.md, "AVX2-only host")."""
+
+_POST_OPS: dict[type[nn.Module], tuple[str, str]] = {
+    GELUActivation: ("gelu", "none"),  # erf GELU: hidden_act "gelu" (and "gelu_python", the same function)
+    NewGELUActivation: ("gelu", "tanh"),  # "gelu_new": the tanh approximation
+    GELUTanh: ("gelu", "tanh"),  # "gelu_pytorch_tanh"
+    nn.ReLU: ("relu", ""),
+}
+"""Activation modules oneDNN can apply as a post-op of the linear before them: (attr, algorithm). `nn.GELU` is
+mapped from its `approximate` attribute."""
 
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def cpu_capabilities() -> Mapping[str, Any]:
+    """The CPU features PyTorch detected on the CPU it runs on (cpuinfo), which is what its kernels can use."""
+    return torch.cpu.get_capabilities()
+
+
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN runs bfloat16 kernels on this CPU at all (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or ARM bf16)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _onednn_pays(dtype: torch.dtype) -> bool:
+    caps = cpu_capabilities()
+    if dtype == torch.float32:
+        return bool(caps.get("avx512_f")) or (_ONEDNN_FP32_ON_AVX2 and bool(caps.get("avx2")))
+    return onednn_bf16_supported() and bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+@functools.cache
+def onednn_error(dtype: torch.dtype) -> str | None:
+    """None when a tiny prepacked oneDNN linear runs in `dtype` on this CPU, else the first line of its error."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=dtype), 4)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(4, 8, dtype=dtype), packed, None, "none", [], "")
+    except RuntimeError as e:
+        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return None
+
+
 def resolve_cpu_linear(choice: CpuLinear, device: torch.device, dtype: torch.dtype) -> Literal["torch", "onednn"]:
     """Which linear path a model uses. `onednn` only for float32 or bfloat16 on a CPU; `auto` picks it for
-    float32 on AVX-512 hosts and for bfloat16 on hosts with native bfloat16."""
+    float32 on AVX-512 hosts and for bfloat16 on hosts with native bfloat16, as PyTorch detects them, and only
+    when oneDNN runs a probe linear (else PyTorch's path, with one warning)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or choice == "torch":
         return "torch"
     if choice == "onednn":
         if not onednn_available():
             raise ValueError("model.params.cpu_linear=onednn: this PyTorch build has no oneDNN (mkldnn)")
+        error = onednn_error(dtype)
+        if error is not None:
+            raise ValueError(f"model.params.cpu_linear=onednn: oneDNN cannot run {dtype} linear layers on this CPU"
+                             f" ({error}); use cpu_linear: auto or torch")
         return "onednn"
-    pays = "avx512f" in cpu_flags() if dtype == torch.float32 else cpu_has_fast_bf16()
-    return "onednn" if pays and onednn_available() else "torch"
+    if not (onednn_available() and _onednn_pays(dtype)):
+        return "torch"
+    error = onednn_error(dtype)
+    if error is not None:
+        log.warning("oneDNN prepacked %s linear layers failed on this CPU (%s); using PyTorch's linear layers",
+                    dtype, error)
+        return "torch"
+    return "onednn"
 
 
 class PackedLinear(nn.Module):
     """`nn.Linear`'s function with the weight reordered once for oneDNN (sized for `rows`-token batches; any
-    number of rows works). Inference only: the packed weight is not a parameter."""
+    number of rows works), optionally followed by a fused activation (`post_op`: oneDNN attr and algorithm).
+    Inference only: the packed weight is not a parameter."""
 
-    def __init__(self, linear: nn.Linear, rows: int) -> None:
+    def __init__(self, linear: nn.Linear, rows: int, post_op: tuple[str, str] = ("none", "")) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.post_op = post_op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        attr, algorithm = self.post_op
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+        fused = "" if self.post_op[0] == "none" else f", fused {'/'.join(p for p in self.post_op if p)}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn{fused}"
 
 
-def pack_linears(model: nn.Module, rows: int) -> int:
-    """Replace every `nn.Linear` under `model` with a `PackedLinear`; returns how many."""
+def post_op_for(act: nn.Module) -> tuple[str, str] | None:
+    """The oneDNN post-op computing `act`, or None when it is not one we fuse."""
+    if type(act) is nn.GELU:
+        return ("gelu", "tanh" if act.approximate == "tanh" else "none")
+    return _POST_OPS.get(type(act))
+
+
+def _dense_act_pair(module: nn.Module) -> tuple[str, tuple[str, str]] | None:
+    """(activation attribute, post-op) when `module` is exactly an `nn.Linear` called `dense` and one fusible
+    activation (BERT's intermediate block), else None."""
+    children = dict(module.named_children())
+    if len(children) != 2 or type(children.get("dense")) is not nn.Linear:
+        return None
+    (act_name, act), = ((n, c) for n, c in children.items() if n != "dense")
+    post_op = post_op_for(act)
+    return None if post_op is None else (act_name, post_op)
+
+
+def _fuse_activation(module: nn.Module, rows: int) -> bool:
+    """Replace `module.dense` + its activation by one `PackedLinear` with the activation as post-op, if the
+    module's own forward then gives what it gave before on a probe input; otherwise leave it unfused."""
+    pair = _dense_act_pair(module)
+    if pair is None:
+        return False
+    act_name, post_op = pair
+    dense, act = module.dense, getattr(module, act_name)
+    probe = torch.randn(4, dense.in_features, dtype=dense.weight.dtype, generator=torch.Generator().manual_seed(0))
+    tol = 1e-4 if dense.weight.dtype == torch.float32 else 2e-2
+    with torch.no_grad():
+        try:
+            before = module(probe)
+        except Exception:  # a forward that is not `act(dense(x))` of one tensor: not ours to fuse
+            return False
+        module.dense, fused = PackedLinear(dense, rows, post_op), True
+        setattr(module, act_name, nn.Identity())
+        after = module(probe)
+    if after.shape != before.shape or not torch.allclose(after, before, rtol=tol, atol=tol):
+        module.dense, fused = dense, False
+        setattr(module, act_name, act)
+    return fused
+
+
+def pack_linears(model: nn.Module, rows: int, fuse: bool = True) -> int:
+    """Replace every `nn.Linear` under `model` with a `PackedLinear` (with `fuse`, an activation that follows a
+    `dense` layer becomes its post-op); returns how many linear layers were replaced."""
     count = 0
     for module in list(model.modules()):
+        if fuse and _fuse_activation(module, rows):
+            count += 1
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
                 setattr(module, name, PackedLinear(child, rows))

@@ -110,11 +110,13 @@ class GatedMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)), then h + mlp(norm(h)); the residual add and the second norm are one
-    step (one kernel on CUDA)."""
+    step (one kernel on CUDA). `attention_cls` lets a family swap the attention (Qwen3 adds q/k norms)."""
+
+    attention_cls: ClassVar[type[DecoderAttention]] = DecoderAttention
 
     def __init__(self, cfg: object, backend: AttentionBackend, attn_biases: tuple[bool, bool], mlp_bias: bool) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, backend, *attn_biases)
+        self.self_attn = self.attention_cls(cfg, backend, *attn_biases)
         self.mlp = GatedMLP(cfg, mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -155,6 +157,7 @@ class DecoderModel(PrefillModel):
     }
     default_causal = True
     model_types: ClassVar[tuple[str, ...]] = ()
+    layer_cls: ClassVar[type[DecoderLayer]] = DecoderLayer
 
     def __init__(self, params: ModelParams, ctx: BuildContext) -> None:
         cfg = ctx.source.hf_config
@@ -178,7 +181,7 @@ class DecoderModel(PrefillModel):
     def build(self, cfg: object) -> None:
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         biases, mlp_bias = self.attention_biases(cfg), bool(getattr(cfg, "mlp_bias", False))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.attn_backend, biases, mlp_bias)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, self.attn_backend, biases, mlp_bias)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg, self.layers[0].self_attn.head_dim)

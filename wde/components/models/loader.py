@@ -1,8 +1,9 @@
-"""A generic checkpoint loader driven by each model's `checkpoint_prefixes` and `packed_modules_mapping`."""
+"""A generic checkpoint loader driven by each model's `checkpoint_prefixes`, `checkpoint_name_mapping` and
+`packed_modules_mapping` (all data on the model class, so the loader itself knows no family)."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -12,11 +13,24 @@ from wde.errors import ModelLoadError
 _LEGACY = {".gamma": ".weight", ".beta": ".bias"}
 
 
-def _target_name(name: str, prefixes: tuple[str, ...]) -> str:
+def rename(name: str, renames: Mapping[str, str]) -> str:
+    """Apply `renames` (dotted name parts → new dotted parts) in order, each at most once, matching whole parts
+    only: `{"block": "encoder.layer"}` turns `block.0.wo.weight` into `encoder.layer.0.wo.weight` but leaves
+    `blocks.0` alone."""
+    dotted = f".{name}."
+    for src, dst in renames.items():
+        if f".{src}." in dotted:
+            dotted = dotted.replace(f".{src}.", f".{dst}.", 1)
+    return dotted[1:-1]
+
+
+def _target_name(name: str, prefixes: tuple[str, ...], renames: Mapping[str, str]) -> str:
     for prefix in prefixes:
         if name.startswith(prefix):
             name = name[len(prefix):]
             break
+    if renames:
+        name = rename(name, renames)
     for old, new in _LEGACY.items():
         if name.endswith(old):
             name = name[: -len(old)] + new
@@ -24,9 +38,12 @@ def _target_name(name: str, prefixes: tuple[str, ...]) -> str:
 
 
 def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], prefixes: tuple[str, ...],
-                 packed: dict[str, tuple[str, int]]) -> None:
+                 packed: dict[str, tuple[str, int]], renames: Mapping[str, str] | None = None) -> None:
     """Copy checkpoint tensors into `module`'s parameters; checkpoint tensors the module lacks are heads or
     buffers other components load (or nobody needs) and are skipped. Every parameter must be filled.
+
+    A checkpoint name is mapped in three steps: the first matching prefix in `prefixes` is stripped, `renames`
+    are applied (see `rename`), then `packed` maps a separate projection onto its shard of a fused parameter.
 
     A parameter fused from several checkpoint tensors has a `shard_offsets` attribute: shard id →
     (start, size) along dim 0.
@@ -34,7 +51,7 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     params = dict(module.named_parameters())
     filled: dict[str, int] = {}
     for raw_name, tensor in weights:
-        name = _target_name(raw_name, prefixes)
+        name = _target_name(raw_name, prefixes, renames or {})
         shard = None
         for src, (dst, shard_id) in packed.items():
             if f".{src}." in f".{name}":

@@ -1,0 +1,97 @@
+"""The public API for plugin authors: every name a plugin may import from WDE, from this one module.
+
+Anything else under `wde.` is internal and may change without notice; these names are kept stable, are
+typed, and are each described in docs/plugins.md (tests/test_public_api.py fails when one is not).
+
+Names are imported on first use (PEP 562), so a plugin's hook module can write
+`from wde.api import hookimpl, LazyComponent, Params` without importing torch (`wde plugins`, `wde validate`
+stay fast), while its component modules import the torch-side names (`PrefillModel`, `BertLayer`, ...).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from wde.components.attention.base import AttentionBackend, AttentionMetadata, check_bias
+    from wde.components.base import COMPONENT_KINDS, BuildContext, Component, Params
+    from wde.components.model_input_builder import ModelInput
+    from wde.components.models.base import PrefillModel
+    from wde.components.models.bert import (BertAttention, BertEmbeddings, BertEncoder, BertIntermediate, BertLayer,
+                                            BertModel, BertSelfOutput)
+    from wde.components.models.decoder_layers import RMSNorm
+    from wde.components.models.fused import add_layer_norm, add_rms_norm, l2_normalize
+    from wde.components.models.loader import fused_linear, load_weights
+    from wde.components.params import AttentionParams, ModelParams, SentencePoolerParams
+    from wde.components.pooler import Pooled, SentencePooler, finish_embeddings, pool, segment_ids, st_pooling_mode
+    from wde.components.tokenizer import HFTokenizer, HFTokenizerParams
+    from wde.errors import ModelLoadError, RequestError
+    from wde.model_source import ModelSource
+    from wde.plugins import make_plugin_manager
+    from wde.plugins.hookspecs import hookimpl
+    from wde.registry import LazyComponent, Registry
+
+_PUBLIC: dict[str, str] = {
+    # plugins and registration
+    "hookimpl": "wde.plugins.hookspecs",
+    "LazyComponent": "wde.registry",
+    "Registry": "wde.registry",
+    "make_plugin_manager": "wde.plugins",
+    # every component
+    "COMPONENT_KINDS": "wde.components.base",
+    "Component": "wde.components.base",
+    "Params": "wde.components.base",
+    "BuildContext": "wde.components.base",
+    "ModelSource": "wde.model_source",
+    "ModelInput": "wde.components.model_input_builder",
+    "ModelLoadError": "wde.errors",
+    "RequestError": "wde.errors",
+    # attention
+    "AttentionBackend": "wde.components.attention.base",
+    "AttentionMetadata": "wde.components.attention.base",
+    "AttentionParams": "wde.components.params",
+    "check_bias": "wde.components.attention.base",
+    # models and their building blocks
+    "PrefillModel": "wde.components.models.base",
+    "ModelParams": "wde.components.params",
+    "BertModel": "wde.components.models.bert",
+    "BertEmbeddings": "wde.components.models.bert",
+    "BertAttention": "wde.components.models.bert",
+    "BertSelfOutput": "wde.components.models.bert",
+    "BertIntermediate": "wde.components.models.bert",
+    "BertLayer": "wde.components.models.bert",
+    "BertEncoder": "wde.components.models.bert",
+    "RMSNorm": "wde.components.models.decoder_layers",
+    "fused_linear": "wde.components.models.loader",
+    "load_weights": "wde.components.models.loader",
+    "add_layer_norm": "wde.components.models.fused",
+    "add_rms_norm": "wde.components.models.fused",
+    "l2_normalize": "wde.components.models.fused",
+    # tokenizer
+    "HFTokenizer": "wde.components.tokenizer",
+    "HFTokenizerParams": "wde.components.tokenizer",
+    # poolers
+    "Pooled": "wde.components.pooler",
+    "pool": "wde.components.pooler",
+    "segment_ids": "wde.components.pooler",
+    "finish_embeddings": "wde.components.pooler",
+    "st_pooling_mode": "wde.components.pooler",
+    "SentencePooler": "wde.components.pooler",
+    "SentencePoolerParams": "wde.components.params",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'wde.api' has no attribute {name!r} (the public API is wde.api.__all__)")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -1,0 +1,67 @@
+"""Params of the built-in components whose modules import torch, kept in a module that does not.
+
+`wde validate`, `wde inspect` and `wde plugins` check a workflow's params against these models without importing
+the components themselves (they are registered as `wde.registry.LazyComponent` references), so they start in a
+fraction of a second. Each component module imports its model from here, so there is one definition of each.
+Components whose modules are torch-free keep their params beside their code (tokenizer, scheduler, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from wde.components.base import Params
+
+CpuLinear = Literal["auto", "torch", "onednn"]
+"""How a model's linear layers run on CPU (wde/components/models/cpu_linear.py)."""
+
+
+class ModelParams(Params):
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """auto: float16 on CUDA, float32 on CPU."""
+    device: str = "auto"
+    """auto: cuda when available, else cpu; or any torch device string."""
+    cpu_linear: CpuLinear = "auto"
+    """On CPU: linear layers through PyTorch (MKL) or oneDNN with prepacked weights; auto: oneDNN for float32 on
+    AVX-512 hosts (about twice as fast) and for bfloat16 on native-bf16 hosts (wde/components/models/cpu_linear.py)."""
+
+
+class AttentionParams(Params):
+    causal: bool | None = None
+    """True: causal mask; False: bidirectional; None: what the model config states, else the model's default."""
+
+
+class SentencePoolerParams(Params):
+    pooling: Literal["auto", "cls", "mean", "max", "last", "all"] = "auto"
+    """auto: read sentence-transformers' Pooling config from the model folder."""
+    normalize: bool | Literal["auto"] = "auto"
+    """auto: true when the model's modules.json has a Normalize module."""
+
+
+class ClassifierParams(Params):
+    task: Literal["auto", "score", "probs"] = "auto"
+    """auto: 'score' for a single-logit model (cross-encoder / reranker), 'probs' otherwise."""
+    activation: Literal["auto", "sigmoid", "softmax", "none"] = "auto"
+    """Used when a request leaves `activation` unset. auto: for 'score' the sentence-transformers activation
+    saved in config.json (sigmoid when none is saved); for 'probs' sigmoid on multi-label models, else softmax."""
+
+
+class BGEM3PoolerParams(Params):
+    normalize: bool = True
+    """Default L2 normalization of dense and ColBERT vectors (a request's `normalize` overrides it)."""
+    sparse_file: str = "sparse_linear.pt"
+    colbert_file: str = "colbert_linear.pt"
+
+
+class BGEM3OutputParams(Params):
+    sparse_keys: Literal["ids", "tokens"] = "ids"
+    """Key the lexical weights by token id (FlagEmbedding's `lexical_weights`) or by token string."""
+
+
+class YesNoScorerParams(Params):
+    yes_token: str = Field("yes", min_length=1, description="vocabulary token whose logit means 'relevant'")
+    no_token: str = Field("no", min_length=1, description="vocabulary token whose logit means 'not relevant'")
+    activation: bool = Field(True, description="default when a request leaves `activation` unset: true gives"
+                                               " P(yes) in [0, 1], false the log-odds logit_yes - logit_no")

@@ -1,0 +1,189 @@
+"""An API server's handle on an engine core in another process, with `AsyncEngine`'s interface.
+
+`encode` validates and tokenizes on this side (`Frontend`), sends token ids to the core and awaits the results,
+which a receiver task hands to the waiting callers. A socket monitor watches the link: if the core process goes
+away, every waiting caller gets `EngineUnavailable` at once (a 503, never a hang), the client reports unhealthy and
+calls `on_fatal` (the API server then shuts down; the launcher sees the core's exit and stops the rest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from wde.async_engine import EngineOverloaded, EngineRestarted, EngineUnavailable, InputNames, input_names
+from wde.core import wire
+from wde.core.engine_core import socket
+from wde.core.frontend import Frontend
+from wde.engine_info import EngineInfo
+from wde.errors import RequestError
+from wde.request import PoolingParams, RequestOutput
+
+log = logging.getLogger("wde.core")
+
+
+class _Waiting:
+    __slots__ = ("future", "token_ids", "tokenization_time")
+
+    def __init__(self, future: "asyncio.Future[RequestOutput]", token_ids: list[int], tokenization_time: float):
+        self.future = future
+        self.token_ids = token_ids
+        self.tokenization_time = tokenization_time
+
+
+class CoreClient:
+    """`start()` it on the event loop that will call `encode`, `stop()` it when done."""
+
+    def __init__(self, frontend: Frontend, address: str, max_concurrent_requests: int = 512, *,
+                 tag: str = "", on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        self.frontend = frontend
+        self.info: EngineInfo = frontend.info
+        self.tokenizer = frontend.tokenizer
+        self.input_processor = frontend.input_processor
+        self.address = address
+        self.max_concurrent_requests = max_concurrent_requests
+        self.on_fatal = on_fatal
+        self.active_calls = 0
+        self.num_aborted = 0
+        self.num_restarts = 0
+        """Restarts of the core's loop this API server saw fail its requests (the core's own count is a metric)."""
+        self.error: BaseException | None = None
+        self._tag = tag
+        self._ids = itertools.count()
+        self._waiting: dict[str, _Waiting] = {}
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wde-tokenize")
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    def start(self) -> None:
+        self._sock = socket(self.address, zmq.DEALER, bind=False, context=zmq.asyncio.Context.instance())
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._tasks = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._watch(monitor))]
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        self._fail_all(EngineUnavailable("the server is shutting down"))
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        self._tokenize_pool.shutdown(wait=False)
+
+    @property
+    def healthy(self) -> bool:
+        return self._sock is not None and self.error is None
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def queue_depth(self) -> int:
+        """Not known here: the core reports its queue as a metric."""
+        return 0
+
+    async def encode(self, inputs: Sequence[Any], params: PoolingParams | Sequence[PoolingParams],
+                     fields: InputNames = "input", request_id: str | None = None) -> list[RequestOutput]:
+        """As `AsyncEngine.encode`: outputs in input order; `RequestError`, `EngineOverloaded`, `EngineUnavailable`."""
+        if not self.healthy:
+            raise EngineUnavailable("the engine is not running" + (f": {self.error}" if self.error else ""))
+        if self.active_calls >= self.max_concurrent_requests:
+            raise EngineOverloaded(f"the server is overloaded: {self.active_calls} requests in flight,"
+                                   f" the limit is {self.max_concurrent_requests}; retry later")
+        per_input = [params] * len(inputs) if isinstance(params, PoolingParams) else list(params)
+        names = input_names(fields, len(inputs))
+        prefix = f"{request_id or 'srv'}.{self._tag}{next(self._ids)}"
+        requests = [self.frontend.make_request(x, p, f"{prefix}-{i}", names[i])
+                    for i, (x, p) in enumerate(zip(inputs, per_input))]
+        loop = asyncio.get_running_loop()
+        self.active_calls += 1
+        outputs: list[RequestOutput | None] = [None] * len(requests)
+        futures: list[tuple[int, asyncio.Future[RequestOutput]]] = []
+        try:
+            if self.frontend.is_large(requests):
+                tokenized = await loop.run_in_executor(self._tokenize_pool, self.frontend.tokenize, requests)
+            else:
+                tokenized = self.frontend.tokenize(requests)
+            admitted = []
+            for i, (r, t) in enumerate(zip(requests, tokenized)):
+                if isinstance(t, RequestError):
+                    outputs[i] = RequestOutput(r.request_id, error=t, tokenization_time=r.tokenization_time)
+                    continue
+                future = loop.create_future()
+                self._waiting[r.request_id] = _Waiting(future, t.token_ids, r.tokenization_time)
+                futures.append((i, future))
+                admitted.append(wire.Admitted(r.request_id, t.token_ids, t.token_type_ids, r.params))
+            if admitted:
+                await self._send(wire.Submit(admitted))
+                for i, out in zip((i for i, _ in futures), await asyncio.gather(*(f for _, f in futures))):
+                    outputs[i] = out
+            return outputs  # type: ignore[return-value]
+        except BaseException as e:
+            unfinished = [r.request_id for r in requests if _unfinished(self._waiting.get(r.request_id))]
+            if unfinished and self.healthy:
+                asyncio.ensure_future(self._send(wire.Abort(unfinished)))
+            if isinstance(e, asyncio.CancelledError):
+                self.num_aborted += len(unfinished)
+            raise
+        finally:
+            self.active_calls -= 1
+            for r in requests:
+                self._waiting.pop(r.request_id, None)
+
+    async def _send(self, message: wire.Submit | wire.Abort) -> None:
+        if self._sock is None:
+            raise EngineUnavailable("the server is shutting down")
+        await self._sock.send(wire.encoder.encode(message))
+
+    async def _receive(self) -> None:
+        assert self._sock is not None
+        while True:
+            results = wire.from_core.decode(await self._sock.recv())
+            failure = EngineRestarted(results.failure) if results.failure else None
+            if failure is not None:
+                self.num_restarts += 1
+            for out in results.outputs:
+                waiting = self._waiting.get(out.request_id)
+                if waiting is None or waiting.future.done():
+                    continue
+                if failure is not None:
+                    waiting.future.set_exception(failure)
+                    continue
+                output = wire.unpack_output(out, waiting.token_ids)
+                output.tokenization_time += waiting.tokenization_time
+                waiting.future.set_result(output)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """The link to the core dropped: its process is gone (it never closes the link otherwise)."""
+        try:
+            while parse_monitor_message(await monitor.recv_multipart())["event"] != zmq.EVENT_DISCONNECTED:
+                pass
+        finally:
+            monitor.close(0)
+        if self._stopping:
+            return
+        self.error = EngineUnavailable("the engine core process exited; see the server log")
+        log.critical("the engine core at %s went away; failing %d waiting requests", self.address,
+                     len(self._waiting))
+        self._fail_all(self.error)
+        if self.on_fatal is not None:
+            self.on_fatal(self.error)
+
+    def _fail_all(self, failure: BaseException) -> None:
+        for waiting in list(self._waiting.values()):
+            if not waiting.future.done():
+                waiting.future.set_exception(failure)
+
+
+def _unfinished(waiting: _Waiting | None) -> bool:
+    """Sent to the core and not answered (a cancelled `gather` cancels its futures: that is not an answer)."""
+    return waiting is not None and (waiting.future.cancelled() or not waiting.future.done())

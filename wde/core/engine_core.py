@@ -1,0 +1,122 @@
+"""The engine core: a process that runs the `Engine` step loop and nothing else.
+
+API servers (`wde.core.client.CoreClient`) send it tokenized requests over a ZeroMQ ROUTER socket; it queues them
+in the engine's scheduler, steps, and sends each output back to the API server that asked. Between steps it
+drains every message that arrived, so batches form from all API servers at once. The loop is supervised as in
+`AsyncEngine`: if `step` raises, every waiting request is failed with a "retry" answer, the engine's queues are
+reset and the loop goes on; past the restart budget the core exits with `EXIT_GAVE_UP`.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Callable
+
+import zmq
+
+from wde.async_engine import RESTARTED
+from wde.core import wire
+from wde.core.frontend import core_request
+from wde.engine import Engine
+from wde.request import RequestOutput
+from wde.restarts import RestartBudget
+
+log = logging.getLogger("wde.core")
+
+IDLE_POLL_MS = 100
+"""How long an idle core waits for messages before it looks at its stop flag again."""
+EXIT_GAVE_UP = 3
+"""Exit code after the loop failed more often than the restart budget allows (as `wde serve`'s)."""
+
+
+def socket(address: str, kind: int, bind: bool, context: zmq.Context | None = None) -> zmq.Socket:
+    """A socket for the core's link: no send/receive limit (a full queue would drop or block answers) and no
+    linger (a closing process never waits on a dead peer)."""
+    sock = (context or zmq.Context.instance()).socket(kind)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address) if bind else sock.connect(address)
+    return sock
+
+
+class EngineCore:
+    def __init__(self, engine: Engine, address: str, *, restarts: RestartBudget | None = None,
+                 on_step: Callable[["EngineCore"], None] | None = None) -> None:
+        self.engine = engine
+        self.restarts = restarts or RestartBudget()
+        self.on_step = on_step
+        """Called after every step (the core's metrics read queue depth and restarts here)."""
+        self.stopping = False
+        self._owners: dict[str, bytes] = {}
+        """Request id → identity of the API server waiting for it."""
+        self._sock = socket(address, zmq.ROUTER, bind=True)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._owners)
+
+    def run(self) -> int:
+        """Serve until `stopping` is set and nothing is left to finish; the process exit code."""
+        engine = self.engine
+        try:
+            while not self.stopping or engine.has_unfinished():
+                self._receive(0 if engine.has_unfinished() else IDLE_POLL_MS)
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # noqa: BLE001 - waiting requests are told, the loop restarted or given up
+                    if not self._restart(e):
+                        return EXIT_GAVE_UP
+                    continue
+                if outputs:
+                    self._send(outputs)
+                if self.on_step is not None:
+                    self.on_step(self)
+            return 0
+        finally:
+            self._sock.close(0)
+
+    def _receive(self, timeout_ms: int) -> None:
+        if not self._sock.poll(timeout_ms):
+            return
+        scheduler = self.engine.scheduler
+        while True:
+            try:
+                identity, payload = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            message = wire.to_core.decode(payload)
+            if isinstance(message, wire.Submit):
+                for a in message.requests:
+                    self._owners[a.request_id] = identity
+                    scheduler.add(core_request(a.request_id, a.token_ids, a.token_type_ids, a.params))
+            else:
+                for rid in message.request_ids:
+                    if self._owners.pop(rid, None) is not None:
+                        self.engine.abort(rid)
+
+    def _send(self, outputs: list[RequestOutput], failure: str | None = None) -> None:
+        by_owner: dict[bytes, list[wire.Output]] = {}
+        for out in outputs:
+            identity = self._owners.pop(out.request_id, None)
+            if identity is not None:  # None: aborted by its API server
+                by_owner.setdefault(identity, []).append(wire.pack_output(out))
+        for identity, packed in by_owner.items():
+            self._sock.send_multipart([identity, wire.encoder.encode(wire.Results(packed, failure))])
+
+    def _restart(self, error: Exception) -> bool:
+        log.error("the engine loop failed (%s: %s); restarting it", type(error).__name__, error, exc_info=error)
+        self.engine.reset()
+        self._send([RequestOutput(rid) for rid in list(self._owners)], failure=RESTARTED)
+        if self.restarts.spend():
+            return True
+        log.critical("the engine loop failed %d times in %.0f s (last: %s: %s); giving up", self.restarts.recent,
+                     self.restarts.window_s, type(error).__name__, error)
+        return False
+
+
+def stop_on_sigterm(core: EngineCore) -> None:
+    """SIGTERM finishes the requests in hand, then exits; Ctrl-C is the launcher's to handle."""
+    signal.signal(signal.SIGTERM, lambda *_: setattr(core, "stopping", True))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

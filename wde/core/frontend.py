@@ -1,0 +1,54 @@
+"""What an API server runs before a request reaches the engine core: the workflow's tokenizer, input processor
+and request processor, built without the model. Validation, prompts, tokenization and length limits are the
+same code as in one process, so answers and errors are the same; the core receives token ids only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wde.components.base import BuildContext
+from wde.engine import check_params
+from wde.engine_info import EngineInfo
+from wde.errors import RequestError
+from wde.model_source import ModelSource
+from wde.request import PoolingParams, Request, SchedulableRequest, TokensPrompt
+from wde.workflow import ResolvedWorkflow
+
+KINDS = ("tokenizer", "input_processor", "request_processor")
+"""The components an API server builds (they come first in the build order and need no model)."""
+
+
+class Frontend:
+    def __init__(self, workflow: ResolvedWorkflow, source: ModelSource, info: EngineInfo) -> None:
+        self.workflow = workflow
+        self.info = info
+        ctx = BuildContext(source, workflow.name)
+        for kind in KINDS:
+            rc = workflow.components[kind]
+            ctx.components[kind] = rc.cls(rc.params, ctx)
+        self.tokenizer = ctx.tokenizer
+        self.input_processor = ctx.input_processor
+        self.request_processor = ctx.request_processor
+        self._budget = info.token_budget or info.max_length
+
+    def make_request(self, inputs: Any, params: PoolingParams, request_id: str,
+                     field: str | tuple[str, str]) -> Request:
+        """`Engine.make_request`, on this side of the split: raises `RequestError` naming the field."""
+        check_params(params, self.info.workflow, self.info.outputs, self.info.dense_size)
+        return self.input_processor.process(request_id, inputs, params, field=field)
+
+    def is_large(self, requests: list[Request]) -> bool:
+        """Whether tokenizing these requests should leave the event loop (see `background_chars`)."""
+        is_large = getattr(self.request_processor, "is_large", None)
+        return is_large is not None and any(is_large(r) for r in requests)
+
+    def tokenize(self, requests: list[Request]) -> list[SchedulableRequest | RequestError]:
+        """Tokenize and check lengths against the core's limits; one result per request (never raises)."""
+        return self.request_processor.process(requests, self._budget)
+
+
+def core_request(request_id: str, token_ids: list[int], token_type_ids: list[int] | None,
+                 params: PoolingParams) -> Request:
+    """The core's view of a request the API server tokenized."""
+    prompt = TokensPrompt(tuple(token_ids), tuple(token_type_ids) if token_type_ids is not None else None)
+    return Request(request_id, prompt, params)

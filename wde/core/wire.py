@@ -1,0 +1,91 @@
+"""Messages between API servers and the engine core: msgpack through msgspec, arrays as raw bytes.
+
+An API server sends `Submit` (tokenized requests) and `Abort`; the core answers with `Results`. A numpy array
+travels as a msgpack extension (dtype, shape, bytes) and is read back without a copy, never as a float list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from wde.errors import RequestError
+from wde.request import PoolingParams, RequestOutput
+
+_ARRAY = 1
+"""msgpack extension code of a numpy array."""
+
+
+class Admitted(msgspec.Struct, array_like=True):
+    """One request, validated and tokenized by the API server."""
+
+    request_id: str
+    token_ids: list[int]
+    token_type_ids: list[int] | None
+    params: PoolingParams
+
+
+class Submit(msgspec.Struct, tag=True, array_like=True):
+    requests: list[Admitted]
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class Output(msgspec.Struct, array_like=True):
+    request_id: str
+    outputs: dict[str, Any]
+    num_prompt_tokens: int
+    error: tuple[str, str | None, str] | None
+    """(message, field, kind) of a `RequestError`."""
+    queue_time: float
+    tokenization_time: float
+    inference_time: float
+
+
+class Results(msgspec.Struct, tag=True, array_like=True):
+    outputs: list[Output]
+    failure: str | None = None
+    """Set when the core failed every listed request at once (its loop restarted): the reason, for a 503."""
+
+
+ToCore = Submit | Abort
+
+
+def _enc_hook(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        value = np.ascontiguousarray(value)
+        header = msgspec.msgpack.encode((value.dtype.str, value.shape))
+        return msgspec.msgpack.Ext(_ARRAY, len(header).to_bytes(4, "little") + header + value.tobytes())
+    if isinstance(value, np.generic):
+        return value.item()
+    raise NotImplementedError(f"cannot send {type(value).__name__} to or from the engine core")
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code != _ARRAY:
+        raise ValueError(f"unknown msgpack extension {code}")
+    size = int.from_bytes(data[:4], "little")
+    dtype, shape = msgspec.msgpack.decode(data[4:4 + size])
+    return np.frombuffer(data[4 + size:], dtype=np.dtype(dtype)).reshape(shape)
+
+
+encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+to_core = msgspec.msgpack.Decoder(ToCore)
+from_core = msgspec.msgpack.Decoder(Results, ext_hook=_ext_hook)
+
+
+def pack_output(out: RequestOutput) -> Output:
+    error = None if out.error is None else (str(out.error), out.error.field, out.error.kind)
+    return Output(out.request_id, out.outputs, out.num_prompt_tokens, error, out.queue_time, out.tokenization_time,
+                  out.inference_time)
+
+
+def unpack_output(out: Output, token_ids: list[int] | None) -> RequestOutput:
+    error = None if out.error is None else RequestError(out.error[0], out.error[1], out.error[2])  # type: ignore[arg-type]
+    return RequestOutput(out.request_id, out.outputs, out.num_prompt_tokens, error, token_ids,
+                         queue_time=out.queue_time, tokenization_time=out.tokenization_time,
+                         inference_time=out.inference_time)

@@ -1,0 +1,146 @@
+"""Data-parallel embedding on one machine: N worker processes, each with its own engine on its own device.
+
+The parent reads and shards the input (a feeder thread fills a bounded queue, so memory stays flat); each
+worker takes a shard, embeds it and writes the shard file itself, then reports. One worker per GPU
+(`--devices cuda:0,cuda:1`), or several CPU workers (`--workers N`) that split the cores between them.
+Workers are spawned (never forked), so CUDA and the tokenizer's threads start clean in each.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import threading
+from typing import Any
+
+from wde.corpus.job import CorpusError, EmbedJob
+from wde.corpus.progress import Progress
+from wde.corpus.readers import Record
+from wde.corpus.writer import ShardWriter
+
+POLL_S = 0.5
+
+
+def plan_devices(workers: int, devices: list[str] | None) -> list[str]:
+    """One device per worker: the given list, else the GPUs round-robin, else CPU for all."""
+    if devices:
+        if workers > 1 and workers != len(devices):
+            raise CorpusError(f"--workers {workers} and --devices {','.join(devices)} disagree; give one of them"
+                              " (--devices alone starts one worker per device)")
+        return list(devices)
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [f"cuda:{i % gpus}" for i in range(workers)] if gpus else ["cpu"] * workers
+
+
+def _next_task(tasks: Any, parent: int) -> Any:
+    """The next shard, or None at the end; also None once the parent is gone (killed), so no worker lingers."""
+    while True:
+        try:
+            return tasks.get(timeout=POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
+
+
+def _worker(wid: int, job_data: dict, device: str, threads: int, directory: str, tasks: Any, results: Any) -> None:
+    """A worker process: build an engine, then embed and write shards until the sentinel (None) arrives."""
+    parent = os.getppid()
+    try:
+        import torch
+
+        if device == "cpu":
+            torch.set_num_threads(threads)
+        from wde.corpus.embedder import ShardEmbedder
+
+        job = EmbedJob(**job_data)
+        writer = ShardWriter(directory)
+        with job.build_engine(device) as engine:
+            embedder = ShardEmbedder(engine, job, lambda rows, tokens: results.put(("batch", rows, tokens)))
+            results.put(("ready", wid))
+            while (task := _next_task(tasks, parent)) is not None:
+                index, rows = task
+                writer.write(index, embedder.embed([Record(*r) for r in rows]))
+                results.put(("shard", index))
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which stops the job with this message
+        results.put(("error", str(e) if isinstance(e, ValueError) else f"worker {wid} ({device}):"
+                     f" {type(e).__name__}: {e}"))
+
+
+def run_data_parallel(job: EmbedJob, todo: Any, writer: ShardWriter, progress: Progress, *,
+                      workers: int, devices: list[str] | None = None) -> int:
+    """Embed every shard of `todo` across worker processes; the number of shards written."""
+    plan = plan_devices(workers, devices)
+    n = len(plan)
+    threads = max(1, (os.cpu_count() or 1) // n)
+    ctx = mp.get_context("spawn")
+    tasks = ctx.Queue(maxsize=2 * n)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, name=f"wde-embed-{i}", daemon=True,
+                         args=(i, job.model_dump(), dev, threads, str(writer.directory), tasks, results))
+             for i, dev in enumerate(plan)]
+    for p in procs:
+        p.start()
+    stop = threading.Event()
+    fed: dict[str, Any] = {"shards": 0, "done": False, "error": None}
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                tasks.put(item, timeout=POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def feed() -> None:
+        try:
+            for index, records in todo:
+                if not put((index, [(r.id, r.text, r.file, r.line) for r in records])):
+                    return
+                fed["shards"] += 1
+        except Exception as e:  # noqa: BLE001 - a bad record (CorpusError) or an unreadable file ends the job
+            fed["error"] = e
+        finally:
+            for _ in procs:
+                put(None)
+            fed["done"] = True
+
+    feeder = threading.Thread(target=feed, name="wde-embed-feeder", daemon=True)
+    feeder.start()
+    written = 0
+    try:
+        while not (fed["done"] and written == fed["shards"]):
+            try:
+                msg = results.get(timeout=POLL_S)
+            except queue.Empty:
+                dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    i, code = dead[0]
+                    raise CorpusError(f"embedding worker {i} ({plan[i]}) exited with code {code}; the shards"
+                                      " written so far are kept: re-run with --resume") from None
+                continue
+            if msg[0] == "batch":
+                progress.batch(msg[1], msg[2])
+            elif msg[0] == "ready":
+                progress.start()
+            elif msg[0] == "shard":
+                written += 1
+            elif msg[0] == "error":
+                raise CorpusError(msg[1])
+        if fed["error"] is not None:
+            raise fed["error"]
+    finally:
+        stop.set()
+        feeder.join(timeout=5)
+        for p in procs:
+            p.join(timeout=10 if written == fed["shards"] and fed["error"] is None else 0.1)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+        for q in (tasks, results):  # unread items must not block this process's exit
+            q.cancel_join_thread()
+            q.close()
+    return written

@@ -1,0 +1,83 @@
+"""What one `wde embed` run is: its inputs, fields, output and engine settings, as a pydantic model.
+
+The job is what a resumed run must match (`fingerprint`), and what worker processes and Ray actors receive to
+build their own engine, so it holds only plain values.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INPUT_SUFFIXES = (".jsonl", ".parquet", ".txt")
+OUTPUT_SUFFIXES = {".parquet": "a directory of part-NNNNNN.parquet shards (id + embedding columns)",
+                   ".npy": "the float32 matrix only, rows in input order"}
+OUTPUTS = ("dense", "sparse", "colbert")
+
+
+class CorpusError(ValueError):
+    """A bad input file, record or option: the message names the file and 1-based line, or the CLI flag."""
+
+
+class EmbedJob(BaseModel):
+    """One corpus embedding job (the `wde embed` options that decide what is written)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    inputs: tuple[str, ...] = Field(min_length=1, description="input files (.jsonl, .parquet, .txt)")
+    output: str = Field(description="out.parquet (directory of shards) or out.npy")
+    text_field: str = Field("text", description="jsonl key / parquet column holding the text")
+    id_field: str | None = Field(None, description="jsonl key / parquet column holding the id; default file:line")
+    outputs: tuple[Literal["dense", "sparse", "colbert"], ...] = Field(("dense",), min_length=1)
+    truncate: bool = False
+    prompt_name: str | None = None
+    skip_blank: bool = Field(False, description=".txt: skip blank lines instead of refusing them")
+    shard_size: int = Field(4096, gt=0, description="records per output shard (the unit of resume)")
+    workflow: str | None = None
+    model: str | None = None
+    overrides: tuple[str, ...] = ()
+    trust_remote_code: bool = False
+
+    @property
+    def output_format(self) -> str:
+        suffix = Path(self.output).suffix.lower()
+        if suffix not in OUTPUT_SUFFIXES:
+            supported = "; ".join(f"{s} ({what})" for s, what in OUTPUT_SUFFIXES.items())
+            raise CorpusError(f"--output {self.output}: unsupported suffix {suffix or '(none)'!r};"
+                              f" supported: {supported}")
+        return suffix[1:]
+
+    def check(self) -> None:
+        """Refuse what cannot work before any model is loaded."""
+        fmt = self.output_format
+        if fmt == "npy" and self.id_field is not None:
+            raise CorpusError("--id-field: .npy output holds only the matrix (rows in input order), not ids;"
+                              " write .parquet to keep ids")
+        if fmt == "npy" and self.outputs != ("dense",):
+            raise CorpusError(f"--outputs {','.join(self.outputs)}: .npy holds dense vectors only; write .parquet"
+                              " for sparse / colbert")
+        if len(set(self.outputs)) != len(self.outputs):
+            raise CorpusError(f"--outputs {','.join(self.outputs)}: an output is named twice")
+        for p in self.inputs:
+            path = Path(p)
+            if path.suffix.lower() not in INPUT_SUFFIXES:
+                raise CorpusError(f"--input {p}: unsupported suffix {path.suffix or '(none)'!r};"
+                                  f" supported: {', '.join(INPUT_SUFFIXES)}")
+            if not path.is_file():
+                raise CorpusError(f"--input {p}: no such file")
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a resumed run must share with the interrupted one for its finished shards to be reusable."""
+        data = self.model_dump(mode="json", exclude={"output"})
+        data["inputs"] = [{"path": os.path.abspath(p), "size": os.stat(p).st_size, "mtime_ns": os.stat(p).st_mtime_ns}
+                          for p in self.inputs]
+        return data
+
+    def build_engine(self, device: str | None = None):
+        from wde.engine import Engine
+
+        return Engine.from_workflow(self.workflow, self.model, overrides=self.overrides,
+                                    trust_remote_code=self.trust_remote_code, device=device)

@@ -1,0 +1,168 @@
+"""Stream records out of .jsonl / .parquet / .txt files, each with its (file, 1-based line) provenance.
+
+Readers hold one line (or one parquet batch) at a time, so memory stays flat however large the input is.
+A bad record is a `CorpusError` naming `file:line`; for parquet the "line" is the 1-based row number.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+from wde.corpus.job import INPUT_SUFFIXES, CorpusError
+
+PARQUET_BATCH = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    id: str
+    text: str
+    file: str
+    line: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def _id(value: Any, where: str, id_field: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise CorpusError(f"{where}: field {id_field!r} (--id-field) must be a string or an integer,"
+                          f" got {type(value).__name__}")
+    return str(value)
+
+
+def _text(value: Any, where: str, text_field: str) -> str:
+    if not isinstance(value, str):
+        got = "null" if value is None else type(value).__name__
+        raise CorpusError(f"{where}: field {text_field!r} (--text-field) must be a string, got {got}")
+    return value
+
+
+def read_jsonl(path: str, text_field: str = "text", id_field: str | None = None) -> Iterator[Record]:
+    """One record per non-blank line: a JSON string, or an object with `text_field` (and `id_field`)."""
+    name = Path(path).name
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"{path}:{n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise CorpusError(f"{where}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                raise CorpusError(f"{where}: not valid JSON: {e.msg} (column {e.colno})") from None
+            if isinstance(obj, str):
+                if id_field is not None:
+                    raise CorpusError(f"{where}: a bare JSON string has no {id_field!r} field (--id-field);"
+                                      " write objects like {" f'"{id_field}": ..., "{text_field}": ...' "}")
+                yield Record(f"{name}:{n}", obj, path, n)
+                continue
+            if not isinstance(obj, dict):
+                raise CorpusError(f"{where}: expected a JSON object or string, got {type(obj).__name__}")
+            if text_field not in obj:
+                raise CorpusError(f"{where}: no {text_field!r} field (--text-field); the object has"
+                                  f" {sorted(obj)[:10]}")
+            text = _text(obj[text_field], where, text_field)
+            if id_field is None:
+                rid = f"{name}:{n}"
+            elif id_field not in obj:
+                raise CorpusError(f"{where}: no {id_field!r} field (--id-field); the object has {sorted(obj)[:10]}")
+            else:
+                rid = _id(obj[id_field], where, id_field)
+            yield Record(rid, text, path, n)
+
+
+def read_txt(path: str, skip_blank: bool = False) -> Iterator[Record]:
+    """One text per line, so output rows line up with input lines: a blank line is an error unless
+    `skip_blank` (then it is skipped, and ids, `file:line`, still say where each row came from)."""
+    name = Path(path).name
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"{path}:{n}"
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                raise CorpusError(f"{where}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
+            if not line.strip():
+                if skip_blank:
+                    continue
+                raise CorpusError(f"{where}: blank line; each line is one text and output rows line up with"
+                                  " lines: remove it, or pass --skip-blank to skip blank lines")
+            yield Record(f"{name}:{n}", line, path, n)
+
+
+def read_parquet(path: str, text_field: str = "text", id_field: str | None = None) -> Iterator[Record]:
+    """One record per row, read a batch at a time; the row's 1-based number stands for the line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    name = Path(path).name
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise CorpusError(f"{path}: not a readable parquet file: {e}") from None
+    columns = pf.schema_arrow.names
+    for field, flag in ((text_field, "--text-field"), (id_field, "--id-field")):
+        if field is not None and field not in columns:
+            raise CorpusError(f"{path}: no column {field!r} ({flag}); columns: {columns}")
+    wanted = [text_field] + ([id_field] if id_field is not None and id_field != text_field else [])
+    row = 0
+    for batch in pf.iter_batches(batch_size=PARQUET_BATCH, columns=wanted):
+        texts = batch.column(text_field).to_pylist()
+        ids = batch.column(id_field).to_pylist() if id_field is not None else None
+        for i, text in enumerate(texts):
+            n = row + i + 1
+            where = f"{path}:{n}"
+            rid = f"{name}:{n}" if ids is None else _id(ids[i], where, id_field)  # type: ignore[arg-type]
+            yield Record(rid, _text(text, where, text_field), path, n)
+        row += len(texts)
+
+
+def read_records(paths: Sequence[str], text_field: str = "text", id_field: str | None = None,
+                 skip_blank: bool = False) -> Iterator[Record]:
+    """Every record of every file, in order."""
+    for path in paths:
+        suffix = Path(path).suffix.lower()
+        if suffix == ".jsonl":
+            yield from read_jsonl(path, text_field, id_field)
+        elif suffix == ".txt":
+            yield from read_txt(path, skip_blank)
+        elif suffix == ".parquet":
+            yield from read_parquet(path, text_field, id_field)
+        else:
+            raise CorpusError(f"--input {path}: unsupported suffix {suffix!r}; supported: {', '.join(INPUT_SUFFIXES)}")
+
+
+def count_records(paths: Sequence[str]) -> int:
+    """About how many records the inputs hold (lines, or parquet rows), for a progress bar's total and ETA."""
+    total = 0
+    for path in paths:
+        if Path(path).suffix.lower() == ".parquet":
+            import pyarrow.parquet as pq
+
+            total += pq.ParquetFile(path).metadata.num_rows
+            continue
+        last = b"\n"
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                total += chunk.count(b"\n")
+                last = chunk[-1:]
+        total += last != b"\n"
+    return total
+
+
+def shards(records: Iterable[Record], size: int) -> Iterator[tuple[int, list[Record]]]:
+    """Consecutive runs of `size` records, numbered from 0: shard k always holds records [k*size, (k+1)*size)."""
+    it = iter(records)
+    index = 0
+    while chunk := list(islice(it, size)):
+        yield index, chunk
+        index += 1

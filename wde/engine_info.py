@@ -1,0 +1,58 @@
+"""What the API needs to know about a built engine, as plain data: in one process it is read off the `Engine`;
+with an engine core in its own process (`wde serve --api-servers N`) the core sends it to each API server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from wde.engine import Engine
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    workflow: str
+    """The workflow's name."""
+    outputs: tuple[str, ...]
+    """What the workflow produces (e.g. ("dense",), ("score",)); the server routes on it."""
+    max_length: int
+    """Longest input in tokens."""
+    token_budget: int | None
+    """Tokens in one batch at most (the scheduler's budget)."""
+    max_num_requests: int | None
+    """Requests in one batch at most."""
+    dense_size: int | None
+    """Width of the 'dense' output (None when the workflow has none)."""
+    labels: tuple[str, ...]
+    """Class names in class-id order (classifiers, rerankers); empty when the model declares none."""
+    pooling: str
+    """The pooling mode (or the pooler's name) of an embedding workflow."""
+    dtype: str
+    """The model's parameter dtype, e.g. "float32"."""
+    device: str
+    """Where the model runs, e.g. "cpu", "cuda:0"."""
+
+    @classmethod
+    def of(cls, engine: "Engine") -> "EngineInfo":
+        pooler = engine.components["pooler"]
+        labels = getattr(pooler, "labels", None)
+        if labels is None:
+            labels = getattr(engine.source.hf_config, "id2label", None) or {}
+        if isinstance(labels, dict):
+            labels = [labels[k] for k in sorted(labels, key=int)]
+        model = engine.components["model"]
+        param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+        sched = getattr(engine.scheduler, "params", None)
+        return cls(
+            workflow=engine.workflow.name,
+            outputs=tuple(engine.supported_outputs),
+            max_length=engine.max_length,
+            token_budget=getattr(engine.scheduler, "token_budget", None),
+            max_num_requests=getattr(sched, "max_num_requests", None),
+            dense_size=engine.dense_size,
+            labels=tuple(str(x) for x in labels),
+            pooling=str(getattr(pooler, "mode", engine.workflow.components["pooler"].name)),
+            dtype=str(param.dtype).removeprefix("torch.") if param is not None else "unknown",
+            device=str(param.device) if param is not None else "cpu",
+        )
