@@ -8,6 +8,7 @@ size it formed and the device busy fraction (device seconds / wall seconds); the
 
     python benchmarks/serve_load.py --clients 64 --requests 2000
     python benchmarks/serve_load.py --clients 1,64,256,1024 --texts-per-request 1,32 --requests 4000
+    python benchmarks/serve_load.py --api-servers 0,1,2 --clients 64,256   # one process vs split engine core
 """
 
 from __future__ import annotations
@@ -40,11 +41,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_wde(port: int, workflow: str | None, model: str) -> None:
+def serve_wde(port: int, workflow: str | None, model: str, api_servers: int = 0) -> None:
     from wde.server import ServerConfig, run_server
+    from wde.server.processes import run_split_server
 
-    run_server(ServerConfig(workflow=workflow, model=model, port=port, served_model_name="bench",
-                            max_concurrent_requests=4096))
+    config = ServerConfig(workflow=workflow, model=model, port=port, served_model_name="bench",
+                          max_concurrent_requests=4096)
+    if api_servers:
+        raise SystemExit(run_split_server(config, api_servers))
+    run_server(config)
 
 
 def serve_naive(port: int, model: str) -> None:
@@ -163,7 +168,8 @@ def run_server(name: str, target, args: tuple, texts: list[str], sweep: list[tup
     """Start one server, run every (clients, texts per request) load against it, stop it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = mp.get_context("spawn").Process(target=target, args=(port, *args), daemon=True)
+    # Not a daemon: a split WDE server starts processes of its own (SIGTERM stops them all).
+    proc = mp.get_context("spawn").Process(target=target, args=(port, *args))
     proc.start()
     results = {}
     try:
@@ -171,7 +177,7 @@ def run_server(name: str, target, args: tuple, texts: list[str], sweep: list[tup
         sample = httpx.post(f"{url}/v1/embeddings", json={"input": texts[:4], "truncate": True}, timeout=120).json()["data"]
         for clients, per_request in sweep:
             asyncio.run(load(url, texts[:clients * per_request], clients, per_request))  # warm-up
-            before = counters(url) if name == "wde" else None
+            before = counters(url) if name.startswith("wde") else None
             result = asyncio.run(load(url, texts, clients, per_request))
             if before is not None:
                 after = counters(url)
@@ -203,6 +209,8 @@ def main() -> None:
     parser.add_argument("--texts-per-request", type=int_list, default=[1], help="comma-separated, e.g. 1,32")
     parser.add_argument("--requests", type=int, default=2000, help="texts sent per load (per sweep point)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the sentence-transformers server")
+    parser.add_argument("--api-servers", type=int_list, default=[0],
+                        help="comma-separated; 0 = one process, N = engine core + N API-server processes")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -211,16 +219,18 @@ def main() -> None:
     sweep = [(c, k) for k in args.texts_per_request for c in args.clients]
     print(f"{args.requests} texts per load, clients {args.clients}, texts per request {args.texts_per_request},"
           f" model {model}")
-    ours, our_sample = run_server("wde", serve_wde, (args.workflow, model), texts, sweep)
+    ours = {n: run_server(f"wde/{n}", serve_wde, (args.workflow, model, n), texts, sweep) for n in args.api_servers}
     if args.no_baseline:
         return
     naive, naive_sample = run_server("naive", serve_naive, (model,), texts, sweep)
-    diff = float(np.abs(np.array(our_sample) - np.array(naive_sample)).max())
-    for point in sweep:
-        a, b = ours[point], naive[point]
-        print(f"clients {point[0]:5d} x {point[1]:3d} texts: throughput ratio wde/naive {a.rps / b.rps:.2f}x"
-              f"  (p50 latency ratio {statistics.median(b.latencies) / statistics.median(a.latencies):.2f}x)")
-    print(f"max |embedding diff| {diff:.1e}")
+    for n, (results, sample) in ours.items():
+        diff = float(np.abs(np.array(sample) - np.array(naive_sample)).max())
+        for point in sweep:
+            a, b = results[point], naive[point]
+            print(f"wde/{n} clients {point[0]:5d} x {point[1]:3d} texts: throughput ratio wde/naive"
+                  f" {a.rps / b.rps:.2f}x  (p50 latency ratio"
+                  f" {statistics.median(b.latencies) / statistics.median(a.latencies):.2f}x)")
+        print(f"wde/{n}: max |embedding diff| vs naive {diff:.1e}")
 
 
 if __name__ == "__main__":

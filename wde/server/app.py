@@ -107,7 +107,8 @@ def run_server(config: ServerConfig) -> None:
                                   trust_remote_code=config.trust_remote_code)
     with engine:
         app = create_app(engine, config)
-        logging.getLogger("wde").info(startup_line(config, app.state.service))
+        service = app.state.service
+        logging.getLogger("wde").info(startup_line(config, service.info, service.model_names))
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                                access_log=config.access_log))
         fatal: list[BaseException] = []

@@ -48,7 +48,10 @@ def default_api_servers(device: str | None = None) -> int:
 def run_split_server(config: ServerConfig, api_servers: int) -> int:
     """Serve with the engine core in its own process; returns the exit code (see the module docstring)."""
     from wde.engine import resolve
+    from wde.model_source import DEFAULT_MODEL
     from wde.server.app import _log_to_stderr
+    from wde.server.service import _public_name
+    from wde.server.startup import startup_line
 
     _log_to_stderr()
     resolve(config.workflow, config.model, overrides=config.overrides,  # a bad workflow fails here, by name
@@ -79,8 +82,8 @@ def run_split_server(config: ServerConfig, api_servers: int) -> int:
                 api.start()
                 procs.append(api)
             listener.close()
-        log.info("serving %s on http://%s:%d: engine core pid %d, %d API servers", info.workflow, config.host,
-                 config.port, core.pid, api_servers)
+        log.info("%s; engine core pid %d", startup_line(config, info, config.model_names(_public_name(config.model)
+                                                                                  or DEFAULT_MODEL), api_servers), core.pid)
         return _supervise(core, procs[1:], stopping)
     finally:
         _stop(procs)
