@@ -81,13 +81,13 @@ def test_20k_jsonl_equals_engine_embed(tmp_path: Path, tiny_bert: Path, corpus) 
 def test_sigkill_then_resume_writes_every_id_once(tmp_path: Path, tiny_bert: Path, corpus) -> None:
     """The first run (stderr on a terminal, so it shows the bar unasked) is SIGKILLed after two shards."""
     full, ids, expected = corpus
-    n = 6000  # 20 shards of 300
+    n = 6000  # 30 shards of 200
     src = tmp_path / "part.jsonl"
     src.write_text("".join(full.read_text(encoding="utf-8").splitlines(keepends=True)[:n]), encoding="utf-8")
     ids, expected = ids[:n], expected[:n]
     out = tmp_path / "out.parquet"
     args = ["-m", str(tiny_bert), *MEAN, "--input", str(src), "--text-field", "body", "--id-field", "doc",
-            "--output", str(out), "--shard-size", "300"]
+            "--output", str(out), "--shard-size", "200"]
     master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "wde.cli", "embed", *args], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=slave, env={**os.environ, "COLUMNS": "120"})
@@ -107,7 +107,7 @@ def test_sigkill_then_resume_writes_every_id_once(tmp_path: Path, tiny_bert: Pat
         os.close(master)
     assert b"wde embed" in terminal and b"row" in terminal  # tqdm bar, on by default on a terminal
     kept = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
-    assert 2 <= len(kept) < n // 300
+    assert 2 <= len(kept) < n // 200
     assert json.loads((out / "_wde_manifest.json").read_text())["complete"] is False
 
     refused = run(*args)
@@ -120,7 +120,7 @@ def test_sigkill_then_resume_writes_every_id_once(tmp_path: Path, tiny_bert: Pat
     got_ids, got = read(out)
     assert got_ids == ids  # every id exactly once, in input order
     assert np.abs(got - expected).max() <= 1e-5
-    again = run(*args, "--resume", "--shard-size", "400")
+    again = run(*args, "--resume", "--shard-size", "300")
     assert again.exit_code == 1 and "different job (shard_size differ)" in again.output
 
 
@@ -150,6 +150,7 @@ def test_txt_blank_line_is_an_error_unless_skip_blank(tmp_path: Path, tiny_bert:
     refused = run("-m", str(tiny_bert), *MEAN, "--input", str(src), "--output", str(out))
     assert refused.exit_code == 1
     assert f"{src}:3: blank line" in refused.output and "--skip-blank" in refused.output
+    assert not out.exists()  # a run that wrote no shard leaves nothing behind
     ok = run("-m", str(tiny_bert), *MEAN, "--input", str(src), "--output", str(out), "--skip-blank", "--overwrite")
     assert ok.exit_code == 0, ok.output
     ids, got = read(out)
@@ -211,10 +212,11 @@ def test_parquet_and_txt_inputs_together(tmp_path: Path, tiny_bert: Path, engine
     assert ids == ["7", "8", "9", "10"]
     assert np.abs(got - engine.embed(["alpha one", "beta two", "gamma", "delta"])).max() <= 1e-6
     missing = run("-m", str(tiny_bert), "--input", str(tmp_path / "a.parquet"), "--output", str(tmp_path / "x.parquet"))
+    assert not (tmp_path / "x.parquet").exists()  # refused before any output (or model) is made
     assert missing.exit_code == 1 and "no column 'text' (--text-field); columns: ['pid', 'passage']" in missing.output
 
 
-def test_bge_m3_sparse_and_colbert_columns(tmp_path: Path) -> None:
+def test_bge_m3_sparse_and_colbert_columns(tmp_path: Path, tiny_bert: Path) -> None:
     model = tiny_heads.build_bge_m3(tmp_path / "m3")
     texts = ["the water", "paris berlin café", "a b c d e f"]
     src = tmp_path / "in.txt"
@@ -226,9 +228,10 @@ def test_bge_m3_sparse_and_colbert_columns(tmp_path: Path) -> None:
     table = pq.read_table(out)
     with Engine.from_workflow("bge_m3", model) as m3:
         want = m3.encode(texts, PoolingParams(outputs=("dense", "sparse", "colbert")))
-        refused = run("-m", str(model), "--input", str(src), "--output", str(tmp_path / "x.parquet"),
-                      "--outputs", "sparse")
-    assert refused.exit_code == 1 and "--outputs sparse" in refused.output
+    refused = run("-m", str(tiny_bert), *MEAN, "--input", str(src), "--output", str(tmp_path / "x.parquet"),
+                  "--outputs", "sparse")
+    assert refused.exit_code == 1
+    assert "--outputs sparse: workflow 'bert' produces ['dense'], not ['sparse']" in refused.output
     for row, w in zip(table.to_pylist(), want):
         assert np.abs(np.array(row["embedding"]) - w.outputs["dense"]).max() <= 1e-6
         assert dict(row["sparse"]).keys() == w.outputs["sparse"].keys()

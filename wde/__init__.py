@@ -6,8 +6,9 @@ The public names below are imported on first use (PEP 562), so `import wde` — 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from wde.lazy import lazy_exports
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time `__getattr__` imports them
     from wde.engine import Engine  # noqa: F401
@@ -29,14 +30,4 @@ __all__ = sorted(_LAZY)
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'wde' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -10,8 +10,9 @@ stay fast), while its component modules import the torch-side names (`PrefillMod
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from wde.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from wde.components.attention.base import AttentionBackend, AttentionMetadata, check_bias
@@ -84,14 +85,4 @@ _PUBLIC: dict[str, str] = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'wde.api' has no attribute {name!r} (the public API is wde.api.__all__)")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, " (the public API is wde.api.__all__)")

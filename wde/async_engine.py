@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 from wde.engine import BatchStats, Engine
 from wde.engine_info import EngineInfo
-from wde.request import PoolingParams, RequestOutput
+from wde.request import PoolingParams, Request, RequestOutput
 from wde.restarts import RestartBudget
 
 log = logging.getLogger("wde.async_engine")
@@ -113,17 +113,9 @@ class AsyncEngine:
         comes back with an error of kind "internal". Engine request ids are `{request_id}.{n}-{i}`. Cancelling the
         await aborts the requests that have not been scheduled yet.
         """
-        if not self.healthy:
-            raise EngineUnavailable("the engine is not running" + (f": {self.error}" if self.error else ""))
-        if self.active_calls >= self.max_concurrent_requests:
-            raise EngineOverloaded(f"the server is overloaded: {self.active_calls} requests in flight,"
-                                   f" the limit is {self.max_concurrent_requests}; retry later")
-        per_input = [params] * len(inputs) if isinstance(params, PoolingParams) else list(params)
-        names = input_names(fields, len(inputs))
         # Unique even when clients reuse an id (x-request-id is theirs to choose): a clash would orphan a future.
-        prefix = f"{request_id or 'srv'}.{next(self._ids)}"
-        requests = [self.engine.make_request(x, p, f"{prefix}-{i}", names[i])
-                    for i, (x, p) in enumerate(zip(inputs, per_input))]
+        requests = admit(self, self.engine.make_request, inputs, params, fields,
+                         f"{request_id or 'srv'}.{next(self._ids)}")
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in requests]
         self.active_calls += 1
@@ -210,6 +202,20 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_set_results, items)
             except RuntimeError:
                 log.warning("dropping %d results: their event loop is closed", len(items))
+
+
+def admit(handle: Any, make_request: Callable[..., Request], inputs: Sequence[Any],
+          params: PoolingParams | Sequence[PoolingParams], fields: InputNames, prefix: str) -> list[Request]:
+    """The start of an `encode` call (`AsyncEngine`'s or an API server's `CoreClient`'s): refuse it when the engine
+    is down or the call limit is reached, then validate each input into a request `{prefix}-{i}`, named for errors."""
+    if not handle.healthy:
+        raise EngineUnavailable("the engine is not running" + (f": {handle.error}" if handle.error else ""))
+    if handle.active_calls >= handle.max_concurrent_requests:
+        raise EngineOverloaded(f"the server is overloaded: {handle.active_calls} requests in flight,"
+                               f" the limit is {handle.max_concurrent_requests}; retry later")
+    per_input = [params] * len(inputs) if isinstance(params, PoolingParams) else list(params)
+    names = input_names(fields, len(inputs))
+    return [make_request(x, p, f"{prefix}-{i}", names[i]) for i, (x, p) in enumerate(zip(inputs, per_input))]
 
 
 def input_names(fields: InputNames, n: int) -> list[str | tuple[str, str]]:

@@ -156,7 +156,7 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str, id_field: str |
     except ValidationError as e:
         first = e.errors()[0]
         flag = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "wde embed"
-        raise click.BadParameter(first["msg"], param_hint=flag) from None
+        raise click.BadParameter(f"{first['msg']} (got {first.get('input')!r})", param_hint=flag) from None
     device_list = _split_list((devices,)) if devices else None
     try:
         if ray_address is not None:

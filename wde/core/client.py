@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from wde.async_engine import EngineOverloaded, EngineRestarted, EngineUnavailable, InputNames, input_names
+from wde.async_engine import EngineRestarted, EngineUnavailable, InputNames, admit
 from wde.core import wire
 from wde.core.engine_core import socket
 from wde.core.frontend import Frontend
@@ -94,16 +94,8 @@ class CoreClient:
     async def encode(self, inputs: Sequence[Any], params: PoolingParams | Sequence[PoolingParams],
                      fields: InputNames = "input", request_id: str | None = None) -> list[RequestOutput]:
         """As `AsyncEngine.encode`: outputs in input order; `RequestError`, `EngineOverloaded`, `EngineUnavailable`."""
-        if not self.healthy:
-            raise EngineUnavailable("the engine is not running" + (f": {self.error}" if self.error else ""))
-        if self.active_calls >= self.max_concurrent_requests:
-            raise EngineOverloaded(f"the server is overloaded: {self.active_calls} requests in flight,"
-                                   f" the limit is {self.max_concurrent_requests}; retry later")
-        per_input = [params] * len(inputs) if isinstance(params, PoolingParams) else list(params)
-        names = input_names(fields, len(inputs))
-        prefix = f"{request_id or 'srv'}.{self._tag}{next(self._ids)}"
-        requests = [self.frontend.make_request(x, p, f"{prefix}-{i}", names[i])
-                    for i, (x, p) in enumerate(zip(inputs, per_input))]
+        requests = admit(self, self.frontend.make_request, inputs, params, fields,
+                         f"{request_id or 'srv'}.{self._tag}{next(self._ids)}")
         loop = asyncio.get_running_loop()
         self.active_calls += 1
         outputs: list[RequestOutput | None] = [None] * len(requests)

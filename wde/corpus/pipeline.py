@@ -16,7 +16,7 @@ from typing import Iterator
 from wde.corpus.embedder import ShardEmbedder
 from wde.corpus.job import CorpusError, EmbedJob
 from wde.corpus.progress import Progress
-from wde.corpus.readers import Record, count_records, read_records, shards
+from wde.corpus.readers import Record, check_inputs, count_records, read_records, shards
 from wde.corpus.writer import ShardWriter, assemble_npy
 
 Shards = Iterator[tuple[int, list[Record]]]
@@ -65,12 +65,14 @@ def run_embed(job: EmbedJob, *, workers: int = 1, devices: list[str] | None = No
               overwrite: bool = False, progress: bool = False) -> EmbedSummary:
     """Run (or finish, with `resume`) a corpus embedding job; see `wde embed --help`."""
     job.check()
+    check_inputs(job.inputs, job.text_field, job.id_field)
     t0 = time.perf_counter()
     out = Path(job.output)
     if job.output_format == "npy" and out.exists() and not overwrite:
         raise CorpusError(f"--output {out} already exists; pass --overwrite to replace it")
     npy = job.output_format == "npy"
     writer = ShardWriter(work_dir(job))
+    fresh = overwrite or not writer.directory.exists()
     # .npy shards are scratch: a plain re-run replaces them, --resume (after a kill) reuses them
     done = writer.open(job.fingerprint(), resume=resume, overwrite=overwrite or (npy and not resume))
     bar = Progress(progress)
@@ -83,8 +85,8 @@ def run_embed(job: EmbedJob, *, workers: int = 1, devices: list[str] | None = No
             written = run_data_parallel(job, todo, writer, bar, workers=workers, devices=devices)
         else:
             written = run_local(job, todo, writer, bar, devices[0] if devices else None)
-    except Exception:  # a kill or Ctrl-C leaves the scratch shards for --resume
-        if npy:
+    except Exception:  # a kill or Ctrl-C leaves the shards for --resume; a run that wrote nothing leaves nothing
+        if npy or (fresh and not writer.parts()):
             shutil.rmtree(writer.directory, ignore_errors=True)
         raise
     finally:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from wde.corpus.job import CorpusError, EmbedJob
+from wde.corpus.readers import check_inputs
 from wde.corpus.writer import ShardWriter
 
 def _read_file(batch: Any, job_data: dict) -> Iterator[Any]:
@@ -77,6 +78,7 @@ def run_ray_embed(job: EmbedJob, address: str | None = None, *, workers: int = 1
                   resume: bool = False) -> tuple[int, int]:
     """Run the job on a Ray cluster (the one already initialised, else `ray.init(address)`); (rows, dim)."""
     job.check()
+    check_inputs(job.inputs, job.text_field, job.id_field)
     if job.output_format != "parquet":
         raise CorpusError(f"--ray writes .parquet output; got --output {job.output}")
     if resume:

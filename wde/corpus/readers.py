@@ -126,6 +126,14 @@ def read_parquet(path: str, text_field: str = "text", id_field: str | None = Non
         row += len(texts)
 
 
+def check_inputs(paths: Sequence[str], text_field: str = "text", id_field: str | None = None) -> None:
+    """What can be checked without reading the data (parquet columns), so a wrong flag fails before the model
+    loads and before any output is made."""
+    for path in paths:
+        if Path(path).suffix.lower() == ".parquet":
+            next(iter(read_parquet(path, text_field, id_field)), None)
+
+
 def read_records(paths: Sequence[str], text_field: str = "text", id_field: str | None = None,
                  skip_blank: bool = False) -> Iterator[Record]:
     """Every record of every file, in order."""
