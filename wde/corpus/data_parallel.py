@@ -140,6 +140,7 @@ def run_data_parallel(job: EmbedJob, todo: Any, writer: ShardWriter, progress: P
             if p.is_alive():
                 p.terminate()
                 p.join()
+        writer.remove_temporaries()  # a worker terminated mid-write leaves its temporary file
         for q in (tasks, results):  # unread items must not block this process's exit
             q.cancel_join_thread()
             q.close()

@@ -53,8 +53,7 @@ class ShardWriter:
             if differ:
                 raise CorpusError(f"--resume: {d} was written by a different job ({', '.join(differ)} differ);"
                                   " pass --overwrite to start over, or pick another --output")
-            for stale in d.glob(".part-*"):
-                stale.unlink()
+            self.remove_temporaries()
             return {int(p.name[5:11]) for p in d.glob("part-*.parquet")}
         if d.exists() and any(d.iterdir()):
             raise CorpusError(f"--output {d} is a non-empty directory that `wde embed` did not write (no {MANIFEST})")
@@ -70,6 +69,11 @@ class ShardWriter:
         tmp = self.directory / f".{part_name(index)}.{os.getpid()}.tmp"
         pq.write_table(table, tmp)
         os.replace(tmp, final)
+
+    def remove_temporaries(self) -> None:
+        """Drop half-written shards (left by a killed or terminated writer); call when no writer is running."""
+        for stale in self.directory.glob(".part-*"):
+            stale.unlink(missing_ok=True)
 
     def parts(self) -> list[Path]:
         """Every shard file (ours are part-NNNNNN.parquet; a Ray job writes its own names), in name order."""

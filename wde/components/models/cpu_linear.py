@@ -9,9 +9,12 @@ weights save another ~1.2x over PyTorch's own bf16 linear. AVX2-only hosts: see 
 `auto` decides from what PyTorch itself detected on the CPU it runs on (`torch.cpu.get_capabilities()`, and
 `mkldnn._is_mkldnn_bf16_supported()` for bf16), never from /proc/cpuinfo flags, and a tiny prepacked linear is
 run once per dtype before a model is packed: if oneDNN refuses, the model keeps PyTorch's path and one warning
-says why. Packing also fuses an activation into the linear layer before it (oneDNN post-op) where a module is
-exactly `dense` + one activation of a kind listed in `_POST_OPS`, and only after the fused module reproduced
-the unfused one on a probe input.
+says why.
+
+On AVX-512 hosts packing also fuses an activation into the linear layer before it (oneDNN post-op) where a
+module is exactly `dense` + one activation of a kind listed in `_POST_OPS`, and only after the fused module
+reproduced the unfused one on a probe input. On AVX2 the post-op is slower than a separate pass (MiniLM's
+2000x384x1536 GEMM: 31 ms, 46 ms with the erf-GELU post-op, GELU alone 3 ms; one thread), so it stays off there.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from wde.components.params import CpuLinear  # the choice lives with ModelParams
 log = logging.getLogger("wde.models")
 
 _ONEDNN_FP32_ON_AVX2 = False
-"""Whether `auto` prepacks fp32 linears on AVX2-only hosts (docs/benchmarks.md, "AVX2-only host")."""
+"""Whether `auto` prepacks fp32 linears on AVX2-only hosts: no. MiniLM end to end, one thread, CPU time (a
+shared host): MKL 1.09x sentence-transformers, oneDNN 1.08x, oneDNN with fused GELU 0.99x (docs/benchmarks.md)."""
 
 _POST_OPS: dict[type[nn.Module], tuple[str, str]] = {
     GELUActivation: ("gelu", "none"),  # erf GELU: hidden_act "gelu" (and "gelu_python", the same function)
@@ -160,9 +164,15 @@ def _fuse_activation(module: nn.Module, rows: int) -> bool:
     return fused
 
 
-def pack_linears(model: nn.Module, rows: int, fuse: bool = True) -> int:
-    """Replace every `nn.Linear` under `model` with a `PackedLinear` (with `fuse`, an activation that follows a
-    `dense` layer becomes its post-op); returns how many linear layers were replaced."""
+def fusion_pays() -> bool:
+    """Whether an activation post-op is worth fusing here: on AVX-512 (measured slower on AVX2)."""
+    return bool(cpu_capabilities().get("avx512_f"))
+
+
+def pack_linears(model: nn.Module, rows: int, fuse: bool | None = None) -> int:
+    """Replace every `nn.Linear` under `model` with a `PackedLinear` (with `fuse`, default `fusion_pays()`, an
+    activation that follows a `dense` layer becomes its post-op); returns how many linear layers were replaced."""
+    fuse = fusion_pays() if fuse is None else fuse
     count = 0
     for module in list(model.modules()):
         if fuse and _fuse_activation(module, rows):
