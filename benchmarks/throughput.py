@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers encode batch size")
     ap.add_argument("--max-batched-tokens", default="auto", help="scheduler token budget (auto: 16384 GPU, 2048 CPU)")
     ap.add_argument("--executor", default="sync", choices=["sync", "thread"])
-    ap.add_argument("--attention", default="torch_sdpa")
+    ap.add_argument("--attention", default="auto", help="attention backend (auto: the workflows' default)")
     ap.add_argument("--workflow", default=None, help="workflow (default: chosen from the model's architecture)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs of each side (best is reported)")

@@ -26,7 +26,8 @@ def test_auto_uses_sdpa_for_cpu_batches(tiny_bert: Path) -> None:
     sdpa, _ = _embed(tiny_bert, "torch_sdpa", "cpu", "float32")
     backend = engine.components["attention"]
     assert backend.name == "auto" and isinstance(backend._cpu, TorchSDPABackend)
-    np.testing.assert_array_equal(auto, sdpa)
+    # long CPU batches go to cpu_varlen (tests/test_cpu_attention.py): same math, other summation order
+    np.testing.assert_allclose(auto, sdpa, atol=1e-5, rtol=0)
 
 
 @pytest.mark.gpu

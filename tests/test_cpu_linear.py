@@ -4,9 +4,8 @@ the CPU."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +17,8 @@ from tests.test_cpu_bf16 import SAPPHIRE_RAPIDS, fake_cpuinfo
 from tests.tiny_models import varied_texts
 from wde import Engine, device
 from wde.components.models import cpu_linear
-from wde.components.models.cpu_linear import PackedLinear, onednn_available, onednn_error, pack_linears, resolve_cpu_linear
+from wde.components.models.cpu_linear import (PackedLinear, onednn_available, onednn_error, pack_linears,
+                                              resolve_cpu_linear)
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN (mkldnn)")
 needs_onednn_bf16 = pytest.mark.skipif(not onednn_available() or onednn_error(torch.bfloat16) is not None,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from wde.components.attention.base import AttentionBackend, AttentionMetadata
 from wde.components.model_input_builder import ModelInput
 
-MIN_MEAN_LEN = 48
+MIN_MEAN_LEN = 32
 """`auto` uses this backend on CPU for batches whose mean sequence length is at least this (measured crossover
 with `torch_sdpa` on all-MiniLM-L6-v2: docs/benchmarks.md)."""
 

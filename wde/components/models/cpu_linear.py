@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -153,7 +154,7 @@ def _fuse_activation(module: nn.Module, rows: int) -> bool:
     with torch.no_grad():
         try:
             before = module(probe)
-        except Exception:  # a forward that is not `act(dense(x))` of one tensor: not ours to fuse
+        except Exception:  # noqa: BLE001 - a forward that is not `act(dense(x))` of one tensor: not ours to fuse
             return False
         module.dense, fused = PackedLinear(dense, rows, post_op), True
         setattr(module, act_name, nn.Identity())
