@@ -11,7 +11,9 @@ model at real size (e.g. `--size xlmr-large`), since speed does not depend on we
 `--dtype` is WDE's dtype. sentence-transformers runs in `--st-dtype`: `auto` keeps it in float32 on CPU (the
 baseline users run there) and in WDE's dtype on CUDA (same-precision speed comparison). The agreement line is
 always against float32 sentence-transformers vectors: when it ran in another dtype, an extra float32 pass on
-the first `--agreement-n` sentences (not timed) gives them.
+the first `--agreement-n` sentences (not timed) gives them. The last line is the fraction of roofline: WDE's
+achieved FLOP/s (model FLOPs per token x tokens/s) over the best square-GEMM FLOP/s measured on the same device in
+the same dtype (`roofline.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from roofline import flops_per_token, gemm_peak  # noqa: E402
 from workload import sentences  # noqa: E402
 
 SIZES = {
@@ -148,6 +151,12 @@ def main() -> None:
     for name, dt in (("sentence-transformers", st_dtype_name), ("wde", args.dtype)):
         print(f"{name:>22}: {best[name]:8.3f} s  {n_tokens / best[name]:10.0f} tokens/s  {args.n / best[name]:8.1f} sentences/s  ({dt})")
     print(f"ratio wde / sentence-transformers: {best['sentence-transformers'] / best['wde']:.2f}x")
+    per_token = flops_per_token(engine.source.hf_config, n_tokens / args.n)
+    peak = gemm_peak(args.device, getattr(torch, args.dtype))
+    achieved = n_tokens / best["wde"] * per_token
+    print(f"roofline: {per_token / 1e6:.1f} MFLOP/token, {args.dtype} GEMM peak {peak / 1e12:.3f} TFLOP/s measured here"
+          f" ({peak / per_token:,.0f} tokens/s at best); wde reaches {achieved / 1e12:.3f} TFLOP/s ="
+          f" {achieved / peak:.0%} of roofline")
     print(f"agreement of wde ({args.dtype}) with float32 sentence-transformers over {len(cos)} sentences:"
           f" min cosine {cos.min():.6f}, mean {cos.mean():.6f}, max abs diff {np.abs(a - b).max():.2e}")
     engine.close()
