@@ -40,14 +40,22 @@ print("\\nPROBE", json.dumps({{"codes": codes, "heavy": [m for m in {heavy!r} if
 """
 
 
-def probe(*commands: list[str]) -> dict:
-    """Run `wde` commands in a fresh interpreter (built-in plugins only); their exit codes and which heavy
-    modules they imported."""
-    env = {**os.environ, "WDE_LOAD_PLUGINS": ""}
+def probe(*commands: list[str], plugins: str | None = "") -> dict:
+    """Run `wde` commands in a fresh interpreter (built-in plugins only, or `plugins` as WDE_LOAD_PLUGINS; None:
+    every installed plugin); their exit codes and which heavy modules they imported."""
+    env = {k: v for k, v in os.environ.items() if k != "WDE_LOAD_PLUGINS"}
+    if plugins is not None:
+        env["WDE_LOAD_PLUGINS"] = plugins
     code = _PROBE.format(commands=list(commands), heavy=HEAVY)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.rsplit("PROBE", 1)[1])
+
+
+def test_the_example_plugins_keep_validate_light() -> None:
+    """Both example plugins register their components lazily, so installing them keeps `wde validate` fast."""
+    result = probe(["validate", "workflows/"], ["plugins"], plugins="wde-plugin-example,wde-plugin-t5")
+    assert result == {"codes": [0, 0], "heavy": []}
 
 
 def test_version_imports_no_torch() -> None:

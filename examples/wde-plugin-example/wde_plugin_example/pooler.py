@@ -7,16 +7,11 @@ the vector is twice the model's hidden size.
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 
-from wde.components.base import BuildContext, Component, Params
+from wde.components.base import BuildContext, Component
 from wde.components.model_input_builder import ModelInput
 from wde.components.pooler import Pooled, finish_embeddings, pool
-
-
-class MeanMaxParams(Params):
-    normalize: bool = Field(True, description="L2-normalize the concatenated vector (per-request override wins)")
-    max_weight: float = Field(1.0, gt=0, description="scale of the max half relative to the mean half")
+from wde_plugin_example.params import MeanMaxParams
 
 
 class MeanMaxPooler(Component):
