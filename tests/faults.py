@@ -32,7 +32,7 @@ from wde.request import TextPrompt, TokensPrompt
 
 HOLD = threading.Event()
 """Released (set) by a test when the held tokenizations may finish."""
-SLOW_S = 3.0
+SLOW_S = 2.0
 """How long `fault_bert` takes on a batch carrying the word "slow"."""
 
 
