@@ -62,15 +62,20 @@ def _trained_bpe(specials: list[str]) -> Tokenizer:
 
 def qwen2_tokenizer(real: bool = True):
     """A Qwen2 fast tokenizer appending <|endoftext|> (gte-Qwen2 style); `.is_real` says which vocabulary."""
-    from transformers import Qwen2TokenizerFast
-
     tk = _real_qwen2_bpe() if real else None
     is_real = tk is not None
-    tk = tk or _trained_bpe(QWEN2_SPECIALS)
-    eot = tk.token_to_id("<|endoftext|>")
-    tk.post_processor = processors.TemplateProcessing(
-        single="$A <|endoftext|>", pair="$A <|endoftext|> $B:1 <|endoftext|>:1",
-        special_tokens=[("<|endoftext|>", eot)])
+    return _qwen_fast(tk or _trained_bpe(QWEN2_SPECIALS), is_real, append_eos=True)
+
+
+def _qwen_fast(tk, is_real: bool, append_eos: bool):  # noqa: ANN001, ANN202
+    """Wrap a `tokenizers` BPE as Qwen2TokenizerFast, optionally appending <|endoftext|> to every input."""
+    from transformers import Qwen2TokenizerFast
+
+    if append_eos:
+        eot = tk.token_to_id("<|endoftext|>")
+        tk.post_processor = processors.TemplateProcessing(
+            single="$A <|endoftext|>", pair="$A <|endoftext|> $B:1 <|endoftext|>:1",
+            special_tokens=[("<|endoftext|>", eot)])
     tok = Qwen2TokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                              unk_token=None, bos_token=None, model_max_length=512)
     tok.is_real = is_real
@@ -176,22 +181,12 @@ def qwen3_tokenizer(real: bool = True, append_eos: bool = False):
 
     "yes" and "no" are single tokens of the real vocabulary; the trained fallback gets them as added tokens.
     """
-    from transformers import Qwen2TokenizerFast
-
     tk = _real_qwen2_bpe() if real else None
     is_real = tk is not None
     tk = tk or _trained_bpe(QWEN2_SPECIALS)
     tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED])
     tk.add_tokens([t for t in ("yes", "no") if tk.token_to_id(t) is None])
-    if append_eos:
-        eot = tk.token_to_id("<|endoftext|>")
-        tk.post_processor = processors.TemplateProcessing(
-            single="$A <|endoftext|>", pair="$A <|endoftext|> $B:1 <|endoftext|>:1",
-            special_tokens=[("<|endoftext|>", eot)])
-    tok = Qwen2TokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                             unk_token=None, bos_token=None, model_max_length=512)
-    tok.is_real = is_real
-    return tok
+    return _qwen_fast(tk, is_real, append_eos)
 
 
 def build_qwen3(out: Path, tokenizer, seed: int = 0, causal_lm: bool = False, **config) -> Path:
