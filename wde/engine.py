@@ -256,23 +256,13 @@ class Engine:
             except RequestError as e:
                 raise RequestError(f"input[{i}]: {e}", e.field, e.kind) from None
             ids.append(requests[-1].request_id)
-        for r in requests:
-            self.scheduler.add(r)
-        done: dict[str, RequestOutput] = {}
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), unit="input", desc="wde")
         try:
-            while len(done) < len(ids):
-                outs = self.step()
-                for o in outs:
-                    done[o.request_id] = o
-                if bar is not None:
-                    bar.update(len(outs))
-                if not outs and not self.has_unfinished():
-                    break  # pragma: no cover - every request yields an output; guards against a plugin losing one
+            done = self.run(requests, bar.update if bar is not None else None)
         finally:
             if bar is not None:
                 bar.close()
@@ -282,6 +272,23 @@ class Engine:
                 if out.error is not None:
                     raise RequestError(f"input[{i}]: {out.error}", out.error.field, out.error.kind)
         return results
+
+    def run(self, requests: Sequence[Request],
+            on_outputs: Callable[[int], object] | None = None) -> dict[str, RequestOutput]:
+        """Queue validated requests (`make_request`) and step until each has its output; outputs by request id.
+        `on_outputs(n)` is called after each step that finished n of them (a progress bar's `update`)."""
+        for r in requests:
+            self.scheduler.add(r)
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(requests):
+            outs = self.step()
+            for o in outs:
+                done[o.request_id] = o
+            if on_outputs is not None:
+                on_outputs(len(outs))
+            if not outs and not self.has_unfinished():
+                break  # pragma: no cover - every request yields an output; guards against a plugin losing one
+        return done
 
     def embed(self, texts: str | Sequence[Any], *, normalize: bool | None = None, truncate: bool = False,
               truncation_direction: str = "right", prompt_name: str | None = None,

@@ -48,15 +48,7 @@ class ShardEmbedder:
                 requests.append(engine.make_request(r.text, self.params, field=self.job.text_field))
             except RequestError as e:
                 raise CorpusError(f"{r.where}: {flag_hint(str(e))}") from None
-        for q in requests:
-            engine.scheduler.add(q)
-        done: dict[str, Any] = {}
-        while len(done) < len(requests):
-            outs = engine.step()
-            for o in outs:
-                done[o.request_id] = o
-            if not outs and not engine.has_unfinished():
-                break  # pragma: no cover - every request yields an output; guards against a plugin losing one
+        done = engine.run(requests)
         results = []
         for r, q in zip(records, requests):
             out = done.get(q.request_id)

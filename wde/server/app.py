@@ -103,8 +103,7 @@ def run_server(config: ServerConfig) -> None:
     import uvicorn
 
     _log_to_stderr()
-    engine = Engine.from_workflow(config.workflow, config.model, overrides=config.overrides,
-                                  trust_remote_code=config.trust_remote_code)
+    engine = Engine.from_workflow(**config.engine_args())
     with engine:
         app = create_app(engine, config)
         service = app.state.service

@@ -77,10 +77,7 @@ async def embed(request: Request) -> JSONResponse:
     texts, names = _texts(body)
     if not texts:
         raise ApiError("empty", "texts is empty: send at least one text", "texts")
-    limit = svc.info.max_length
-    if body.max_tokens is not None and body.max_tokens < limit:
-        raise ApiError("validation", f"max_tokens={body.max_tokens} is below the model's limit of {limit} tokens, and"
-                       f" WDE truncates only to that limit; leave it out or give at least {limit}", "max_tokens")
+    svc.check_token_cap(body.max_tokens, "max_tokens")
     truncate, direction = _TRUNCATE[body.truncate]
     prompts = getattr(svc.engine.input_processor, "prompts", {})
     params = PoolingParams(truncate=truncate, truncation_direction=direction,  # type: ignore[arg-type]

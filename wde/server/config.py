@@ -28,6 +28,11 @@ class ServerConfig:
     quantization_ranges: str | None = None
     """A .npy (2, dim) array of per-dimension minima/maxima for int8/uint8 embeddings (wde/server/quantize.py)."""
 
+    def engine_args(self) -> dict[str, object]:
+        """What `Engine.from_workflow` / `wde.engine.resolve` are given to build what this server serves."""
+        return {"workflow": self.workflow, "model": self.model, "overrides": self.overrides,
+                "trust_remote_code": self.trust_remote_code}
+
     def model_names(self, public_name: str) -> tuple[str, ...]:
         """Every `model` a request may name, the primary first: the --served-model-name values (else
         `public_name`, the model as clients see it), then `public_name`, the --model value, and the short alias of

@@ -71,20 +71,20 @@ class ServerMetrics:
             self.healthy.set(1.0)  # every process writes each gauge; 0, the initial value, would win the minimum
             return
         self.queue_depth.set_function(lambda: engine.queue_depth)
-        self.pending.set_function(lambda: engine.num_pending)
-        self.active.set_function(lambda: engine.active_calls)
-        self.aborted.set_function(lambda: engine.num_aborted)
         self.restarts.set_function(lambda: engine.num_restarts)
-        self.healthy.set_function(lambda: float(engine.healthy))
+        for gauge, read in self._api_gauges(engine):
+            gauge.set_function(read)
+
+    def _api_gauges(self, engine: Any) -> tuple[tuple[Gauge, Any], ...]:
+        """The gauges the API side of the engine knows (the queue and restarts are the engine loop's)."""
+        return ((self.pending, lambda: engine.num_pending), (self.active, lambda: engine.active_calls),
+                (self.aborted, lambda: engine.num_aborted), (self.healthy, lambda: float(engine.healthy)))
 
     def refresh(self) -> None:
         """Write this API server's gauges (multiprocess mode; the core writes its own in `on_core_step`)."""
-        engine = self._engine
-        if engine is not None:
-            self.pending.set(engine.num_pending)
-            self.active.set(engine.active_calls)
-            self.aborted.set(engine.num_aborted)
-            self.healthy.set(float(engine.healthy))
+        if self._engine is not None:
+            for gauge, read in self._api_gauges(self._engine):
+                gauge.set(read())
 
     def on_core_step(self, queue_depth: int, restarts: int) -> None:
         """The engine core's gauges, written after each step."""

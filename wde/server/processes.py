@@ -48,14 +48,12 @@ def default_api_servers(device: str | None = None) -> int:
 def run_split_server(config: ServerConfig, api_servers: int) -> int:
     """Serve with the engine core in its own process; returns the exit code (see the module docstring)."""
     from wde.engine import resolve
-    from wde.model_source import DEFAULT_MODEL
     from wde.server.app import _log_to_stderr
-    from wde.server.service import _public_name
+    from wde.server.service import served_names
     from wde.server.startup import startup_line
 
     _log_to_stderr()
-    resolve(config.workflow, config.model, overrides=config.overrides,  # a bad workflow fails here, by name
-            trust_remote_code=config.trust_remote_code)
+    resolve(**config.engine_args())  # a bad workflow fails here, by name, before any process starts
     ctx = multiprocessing.get_context("spawn")
     workdir = tempfile.mkdtemp(prefix="wde-serve-")
     address = f"ipc://{workdir}/core.sock"
@@ -82,8 +80,7 @@ def run_split_server(config: ServerConfig, api_servers: int) -> int:
                 api.start()
                 procs.append(api)
             listener.close()
-        log.info("%s; engine core pid %d", startup_line(config, info, config.model_names(_public_name(config.model)
-                                                                                  or DEFAULT_MODEL), api_servers), core.pid)
+        log.info("%s; engine core pid %d", startup_line(config, info, served_names(config), api_servers), core.pid)
         return _supervise(core, procs[1:], stopping)
     finally:
         _stop(procs)
@@ -178,8 +175,7 @@ def _core_main(config: ServerConfig, address: str, ready: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _log_to_stderr()
     try:
-        engine = Engine.from_workflow(config.workflow, config.model, overrides=config.overrides,
-                                      trust_remote_code=config.trust_remote_code)
+        engine = Engine.from_workflow(**config.engine_args())
     except Exception as e:  # noqa: BLE001 - reported to the launcher, which exits non-zero
         ready.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from None
@@ -206,8 +202,7 @@ def _api_main(config: ServerConfig, info: EngineInfo, address: str, index: int, 
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _log_to_stderr()
-    workflow, source = resolve(config.workflow, config.model, overrides=config.overrides,
-                               trust_remote_code=config.trust_remote_code)
+    workflow, source = resolve(**config.engine_args())
     client = CoreClient(Frontend(workflow, source, info), address, config.max_concurrent_requests, tag=f"a{index}.")
     app = create_app(client, config)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=config.access_log))

@@ -11,7 +11,6 @@ import uuid
 from fastapi import APIRouter, Request
 
 from wde.request import PoolingParams
-from wde.server.errors import ApiError
 from wde.server.protocol import (CohereRerankRequest, Document, RerankRequest, TeiRerankRequest, body_schema, parse,
                                  read_json)
 from wde.server.responses import JSONResponse
@@ -50,10 +49,7 @@ async def rerank_v2(request: Request) -> JSONResponse:
     svc.check_model(body.model)
     svc.require("score", "/v2/rerank")
     cap = body.max_tokens_per_doc
-    if cap is not None and cap < svc.info.max_length:
-        raise ApiError("validation", f"max_tokens_per_doc={cap} is below the model's limit of {svc.info.max_length}"
-                       " tokens per (query, document) pair, and WDE truncates only to that limit; leave it out or"
-                       f" give at least {svc.info.max_length}", "max_tokens_per_doc")
+    svc.check_token_cap(cap, "max_tokens_per_doc", " per (query, document) pair")
     # Cohere truncates documents to max_tokens_per_doc; within the model's limit that is at most `cap` tokens.
     return await _documents_rerank(svc, request, body, truncate=cap is not None)
 

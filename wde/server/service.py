@@ -67,7 +67,7 @@ class Service:
         self.engine = engine
         self.config = config
         self.metrics = metrics
-        self.model_names = config.model_names(_public_name(config.model) or DEFAULT_MODEL)
+        self.model_names = served_names(config)
         """What requests may call the model (aliases included); responses show the first."""
         self.model_name = self.model_names[0]
         """What responses call the model: never a local path (a model folder is named by its last component)."""
@@ -92,6 +92,13 @@ class Service:
             aliases = ", ".join(repr(n) for n in self.model_names[1:] if _public_name(n) == n)  # no local paths
             raise ApiError("not_found", f"model {name!r} is not served here; this server serves"
                            f" {self.model_name!r}{f' (also accepted: {aliases})' if aliases else ''}", "model")
+
+    def check_token_cap(self, cap: int | None, field: str, unit: str = "") -> None:
+        """Refuse a client's token cap (Cohere's max_tokens...) below the model's limit: WDE truncates only to it."""
+        limit = self.info.max_length
+        if cap is not None and cap < limit:
+            raise ApiError("validation", f"{field}={cap} is below the model's limit of {limit} tokens{unit}, and WDE"
+                           f" truncates only to that limit; leave it out or give at least {limit}", field)
 
     def require(self, output: str, route: str) -> None:
         if output not in self.supported:
@@ -155,6 +162,11 @@ class Service:
                     raise ApiError("validation", f"{where} is {tid}; token ids must be integers in [0, {vocab})", where)
         return await self.off_loop(lambda: component.hf_tokenizer.batch_decode(
             ids, skip_special_tokens=skip_special_tokens))
+
+
+def served_names(config: ServerConfig) -> tuple[str, ...]:
+    """What requests may call the served model (aliases included), the name responses show first."""
+    return config.model_names(_public_name(config.model) or DEFAULT_MODEL)
 
 
 def _public_name(model: str | None) -> str | None:
