@@ -9,6 +9,7 @@ size it formed and the device busy fraction (device seconds / wall seconds); the
     python benchmarks/serve_load.py --clients 64 --requests 2000
     python benchmarks/serve_load.py --clients 1,64,256,1024 --texts-per-request 1,32 --requests 4000
     python benchmarks/serve_load.py --api-servers 0,1,2 --clients 64,256   # one process vs split engine core
+    python benchmarks/serve_load.py --variant runner.params.cpu_streams=1   # also WDE with this setting
 """
 
 from __future__ import annotations
@@ -41,12 +42,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_wde(port: int, workflow: str | None, model: str, api_servers: int = 0) -> None:
+def serve_wde(port: int, workflow: str | None, model: str, api_servers: int = 0,
+              overrides: tuple[str, ...] = ()) -> None:
     from wde.server import ServerConfig, run_server
     from wde.server.processes import run_split_server
 
     config = ServerConfig(workflow=workflow, model=model, port=port, served_model_name="bench",
-                          max_concurrent_requests=4096)
+                          max_concurrent_requests=4096, overrides=list(overrides))
     if api_servers:
         raise SystemExit(run_split_server(config, api_servers))
     run_server(config)
@@ -211,6 +213,10 @@ def main() -> None:
     parser.add_argument("--no-baseline", action="store_true", help="skip the sentence-transformers server")
     parser.add_argument("--api-servers", type=int_list, default=[0],
                         help="comma-separated; 0 = one process, N = engine core + N API-server processes")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="workflow setting for every WDE server (as `wde serve --set`)")
+    parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[;KEY=VALUE]",
+                        help="also run one-process WDE with these settings added, labelled by them")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -219,18 +225,21 @@ def main() -> None:
     sweep = [(c, k) for k in args.texts_per_request for c in args.clients]
     print(f"{args.requests} texts per load, clients {args.clients}, texts per request {args.texts_per_request},"
           f" model {model}")
-    ours = {n: run_server(f"wde/{n}", serve_wde, (args.workflow, model, n), texts, sweep) for n in args.api_servers}
+    runs = {f"wde/{n}": (n, tuple(args.overrides)) for n in args.api_servers}
+    runs.update({f"wde/0[{v}]": (0, (*args.overrides, *v.split(";"))) for v in args.variant})
+    ours = {label: run_server(label, serve_wde, (args.workflow, model, n, sets), texts, sweep)
+            for label, (n, sets) in runs.items()}
     if args.no_baseline:
         return
     naive, naive_sample = run_server("naive", serve_naive, (model,), texts, sweep)
-    for n, (results, sample) in ours.items():
+    for label, (results, sample) in ours.items():
         diff = float(np.abs(np.array(sample) - np.array(naive_sample)).max())
         for point in sweep:
             a, b = results[point], naive[point]
-            print(f"wde/{n} clients {point[0]:5d} x {point[1]:3d} texts: throughput ratio wde/naive"
+            print(f"{label} clients {point[0]:5d} x {point[1]:3d} texts: throughput ratio wde/naive"
                   f" {a.rps / b.rps:.2f}x  (p50 latency ratio"
                   f" {statistics.median(b.latencies) / statistics.median(a.latencies):.2f}x)")
-        print(f"wde/{n}: max |embedding diff| vs naive {diff:.1e}")
+        print(f"{label}: max |embedding diff| vs naive {diff:.1e}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pydantic import Field
 from wde.components.base import BuildContext, Params
 from wde.components.model_input_builder import ModelInput
 from wde.components.model_input_builder import PackedInputBuilder
+from wde.components.params import TorchRunnerParams
 from wde.components.models.bert import BertModel
 from wde.components.output_processor import EmbeddingOutputProcessor
 from wde.components.pooler import Pooled, SentencePooler, SentencePoolerParams
@@ -111,7 +112,7 @@ class FaultPooler(SentencePooler):
         return super().forward(hidden, batch)
 
 
-class FaultRunnerParams(PoisonParams):
+class FaultRunnerParams(PoisonParams, TorchRunnerParams):
     fail_every: int = Field(0, ge=0, description="fail every Nth batch (a transient fault); 0: never")
 
 

@@ -309,6 +309,9 @@ class Engine:
 
     def close(self) -> None:
         self.executor.shutdown()
+        shutdown = getattr(self.components["runner"], "shutdown", None)  # e.g. the CPU streams' threads
+        if shutdown is not None:
+            shutdown()
 
     def __enter__(self) -> "Engine":
         return self

@@ -6,6 +6,8 @@ building on CPU lets the next batch be prepared while the device runs the curren
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -40,6 +42,30 @@ class ModelInput:
         move = lambda t: None if t is None else t.to(device, non_blocking=nb)  # noqa: E731
         return replace(self, input_ids=move(self.input_ids), positions=move(self.positions),
                        cu_seqlens=move(self.cu_seqlens), token_type_ids=move(self.token_type_ids))
+
+    def split(self, parts: int) -> list["ModelInput"]:
+        """At most `parts` batches of whole, adjacent sequences with about equal token counts, in order.
+
+        The pieces are views of this batch's tensors (no copy); pooling their outputs in order and joining them
+        with `Pooled.cat` gives this batch's outputs.
+        """
+        parts = max(1, min(parts, self.num_seqs))
+        cu = list(itertools.accumulate(self.seq_lens, initial=0))
+        bounds = [0]
+        for p in range(1, parts):  # cut at the sequence boundary nearest p/parts of the tokens, one sequence at least
+            target = cu[-1] * p / parts
+            i = bisect.bisect_left(cu, target)
+            if i > 0 and target - cu[i - 1] <= cu[i] - target:
+                i -= 1
+            bounds.append(min(max(i, bounds[-1] + 1), self.num_seqs - (parts - p)))
+        bounds.append(self.num_seqs)
+        pieces = []
+        for s0, s1 in zip(bounds, bounds[1:]):
+            t0, t1, lens = cu[s0], cu[s1], self.seq_lens[s0:s1]
+            pieces.append(ModelInput(
+                self.input_ids[t0:t1], self.positions[t0:t1], self.cu_seqlens[s0:s1 + 1] - t0, lens, max(lens),
+                None if self.token_type_ids is None else self.token_type_ids[t0:t1], self.pooling_params[s0:s1]))
+        return pieces
 
 
 class PackedInputBuilder(Component):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from wde.components.base import Params
 
@@ -65,3 +65,20 @@ class YesNoScorerParams(Params):
     no_token: str = Field("no", min_length=1, description="vocabulary token whose logit means 'not relevant'")
     activation: bool = Field(True, description="default when a request leaves `activation` unset: true gives"
                                                " P(yes) in [0, 1], false the log-odds logit_yes - logit_no")
+
+
+class TorchRunnerParams(Params):
+    cpu_streams: int | Literal["auto"] = Field("auto", description=(
+        "On CPU: split each batch of several sequences into this many pieces computed at once, each on an equal"
+        " share of torch's intra-op threads (wde/components/cpu_streams.py); 1 turns it off. auto: one per"
+        " thread, at most 4. Ignored on GPUs."))
+    cpu_stream_min_tokens: int = Field(256, ge=1, description=(
+        "On CPU: split a batch only into pieces of at least this many tokens; smaller batches run whole on every"
+        " thread (below ~256 tokens a piece, Python overhead under the interpreter lock makes streams slower)."))
+
+    @field_validator("cpu_streams")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("cpu_streams must be 'auto' or an integer >= 1")
+        return v

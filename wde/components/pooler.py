@@ -31,6 +31,21 @@ class Pooled:
         return Pooled({k: v.to(device) for k, v in self.rows.items()},
                       {k: (v.to(device), b) for k, (v, b) in self.ragged.items()})
 
+    @staticmethod
+    def cat(parts: "list[Pooled]") -> "Pooled":
+        """The outputs of consecutive pieces of one batch (`ModelInput.split`) as the outputs of the whole."""
+        if len(parts) == 1:
+            return parts[0]
+        rows = {k: torch.cat([p.rows[k] for p in parts]) for k in parts[0].rows}
+        ragged = {}
+        for k in parts[0].ragged:
+            bounds = [0]
+            for p in parts:
+                offset, b = bounds[-1], p.ragged[k][1]
+                bounds.extend(offset + x - b[0] for x in b[1:])
+            ragged[k] = (torch.cat([p.ragged[k][0] for p in parts]), bounds)
+        return Pooled(rows, ragged)
+
 
 def segment_ids(batch: ModelInput) -> torch.Tensor:
     """For every packed token, the index of the sequence it belongs to."""

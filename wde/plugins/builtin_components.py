@@ -14,7 +14,7 @@ from wde.components.base import Params
 from wde.components.executor import ThreadExecutorParams
 from wde.components.input_processor import TextInputParams
 from wde.components.params import (AttentionParams, BGEM3OutputParams, BGEM3PoolerParams, ClassifierParams, ModelParams,
-                                   SentencePoolerParams, YesNoScorerParams)
+                                   SentencePoolerParams, TorchRunnerParams, YesNoScorerParams)
 from wde.components.request_processor import LazyTokenizeParams
 from wde.components.reranker_prompt import AffixTokenizerParams, InstructionPairParams
 from wde.components.scheduler import FCFSParams
@@ -46,7 +46,7 @@ _BUILTINS: tuple[tuple[str, str, str, type[Params]], ...] = (
     ("pooler", "bge_m3", "bge_m3:BGEM3Pooler", BGEM3PoolerParams),
     ("pooler", "classifier", "classifier:ClassifierPooler", ClassifierParams),
     ("pooler", "yes_no_score", "causal_lm_scorer:YesNoScorer", YesNoScorerParams),
-    ("runner", "torch", "runner:TorchRunner", Params),
+    ("runner", "torch", "runner:TorchRunner", TorchRunnerParams),
     ("executor", "sync", "executor:SyncExecutor", Params),
     ("executor", "thread", "executor:ThreadExecutor", ThreadExecutorParams),
     ("output_processor", "embedding", "output_processor:EmbeddingOutputProcessor", Params),
