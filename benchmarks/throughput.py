@@ -7,6 +7,7 @@ model at real size (e.g. `--size xlmr-large`), since speed does not depend on we
     python benchmarks/throughput.py                          # CPU, MiniLM, fp32
     python benchmarks/throughput.py --dtype bfloat16         # WDE in bf16 vs sentence-transformers in fp32
     python benchmarks/throughput.py --size xlmr-large --device cuda --dtype float16 --n 20000
+    python benchmarks/throughput.py --variant runner.params.cpu_streams=1   # also WDE with this setting, alternated
 
 `--dtype` is WDE's dtype. sentence-transformers runs in `--st-dtype`: `auto` keeps it in float32 on CPU (the
 baseline users run there) and in WDE's dtype on CUDA (same-precision speed comparison). The agreement line is
@@ -95,6 +96,8 @@ def main() -> None:
     ap.add_argument("--workflow", default=None, help="workflow (default: chosen from the model's architecture)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs of each side (best is reported)")
+    ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[;KEY=VALUE]",
+                    help="also time WDE with these settings added (same process, runs alternated with the others)")
     args = ap.parse_args()
 
     from sentence_transformers import SentenceTransformer
@@ -110,27 +113,35 @@ def main() -> None:
     st_dtype_name = args.st_dtype if args.st_dtype != "auto" else \
         (args.dtype if args.device.startswith("cuda") else "float32")
 
-    engine = Engine.from_workflow(args.workflow, path, dtype=args.dtype, device=args.device, overrides=args.overrides,
-                                  attention={"name": args.attention, "params": {}},
-                                  scheduler={"params": {"max_num_batched_tokens": int(args.max_batched_tokens) if args.max_batched_tokens.isdigit() else "auto", "max_num_requests": 1024}},
-                                  executor={"name": args.executor, "params": {}})
+    def build(extra: list[str]) -> Engine:
+        return Engine.from_workflow(
+            args.workflow, path, dtype=args.dtype, device=args.device, overrides=[*args.overrides, *extra],
+            attention={"name": args.attention, "params": {}},
+            scheduler={"params": {"max_num_batched_tokens": int(args.max_batched_tokens) if args.max_batched_tokens.isdigit() else "auto", "max_num_requests": 1024}},
+            executor={"name": args.executor, "params": {}})
+
+    engine = build([])
+    variants = {f"wde[{v}]": build(v.split(";")) for v in args.variant}
     st = SentenceTransformer(str(path), device=args.device, model_kwargs={"dtype": getattr(torch, st_dtype_name)})
     max_len = min(engine.max_length, st.max_seq_length)
     n_tokens = sum(len(ids) for ids in st.tokenizer(texts, truncation=True, max_length=max_len)["input_ids"])
 
-    def run_wde() -> np.ndarray:
-        return engine.embed(texts, truncate=True)
+    def run_wde(e: Engine = engine) -> np.ndarray:
+        return e.embed(texts, truncate=True)
 
     def run_st() -> np.ndarray:
         return st.encode(texts, batch_size=args.st_batch_size, convert_to_numpy=True)
 
     warm = texts[: min(256, len(texts))]
-    engine.embed(warm, truncate=True)
+    for e in (engine, *variants.values()):
+        e.embed(warm, truncate=True)
     st.encode(warm, batch_size=args.st_batch_size)
-    best = {"wde": float("inf"), "sentence-transformers": float("inf")}
+    sides = [("sentence-transformers", run_st), ("wde", run_wde),
+             *((name, lambda e=e: run_wde(e)) for name, e in variants.items())]
+    best = {name: float("inf") for name, _ in sides}
     outs = {}
     for _ in range(args.repeats):
-        for name, fn in (("sentence-transformers", run_st), ("wde", run_wde)):
+        for name, fn in sides:
             sync(args.device)
             t0 = time.perf_counter()
             outs[name] = fn()
@@ -150,7 +161,12 @@ def main() -> None:
           f" workload: {args.n} sentences, {n_tokens} tokens")
     for name, dt in (("sentence-transformers", st_dtype_name), ("wde", args.dtype)):
         print(f"{name:>22}: {best[name]:8.3f} s  {n_tokens / best[name]:10.0f} tokens/s  {args.n / best[name]:8.1f} sentences/s  ({dt})")
+    for name in variants:
+        print(f"{name:>22}: {best[name]:8.3f} s  {n_tokens / best[name]:10.0f} tokens/s  (max abs diff to wde"
+              f" {np.abs(outs[name] - outs['wde']).max():.1e})")
     print(f"ratio wde / sentence-transformers: {best['sentence-transformers'] / best['wde']:.2f}x")
+    for name in variants:
+        print(f"ratio {name} / sentence-transformers: {best['sentence-transformers'] / best[name]:.2f}x")
     per_token = flops_per_token(engine.source.hf_config, n_tokens / args.n)
     peak = gemm_peak(args.device, getattr(torch, args.dtype))
     achieved = n_tokens / best["wde"] * per_token
@@ -159,7 +175,8 @@ def main() -> None:
           f" {achieved / peak:.0%} of roofline")
     print(f"agreement of wde ({args.dtype}) with float32 sentence-transformers over {len(cos)} sentences:"
           f" min cosine {cos.min():.6f}, mean {cos.mean():.6f}, max abs diff {np.abs(a - b).max():.2e}")
-    engine.close()
+    for e in (engine, *variants.values()):
+        e.close()
 
 
 if __name__ == "__main__":
