@@ -249,8 +249,10 @@ def main() -> None:
         print(f"bf16 linear layers (native bf16 on this CPU): {bf16_rate:.0f} GFLOP/s"
               + (f" ({bf16_rate / bf16_peak:.0%} of the bf16 dot-product peak)" if bf16_peak else "")
               + f", {best_seconds / bf16_seconds:.2f}x the fastest fp32 library (bounds hold for fp32 only)")
-    print(f"largest possible offline ratio vs sentence-transformers: {same_gemm_bound:.2f}x with its GEMMs,"
-          f" {same_gemm_bound * library_gain:.2f}x with the fastest isolated library per shape (issue goal 1.5x)")
+    print(f"largest possible offline ratio vs sentence-transformers at its GEMM speed: {same_gemm_bound:.2f}x with"
+          f" its GEMMs, {same_gemm_bound * library_gain:.2f}x with the fastest isolated library per shape (GEMMs"
+          f" timed on all threads; WDE's CPU streams run smaller single-threaded GEMMs nearer the peak, so they can pass"
+          f" this)")
 
     single_texts = texts[: args.single]
     single = best_time(lambda: [st.encode([t]) for t in single_texts], 2) / len(single_texts)
