@@ -83,6 +83,18 @@ def test_streams_restore_the_process_thread_count_and_keep_order() -> None:
     assert auto_streams(1) == 1 and auto_streams(2) == 2 and auto_streams(64) == 4
 
 
+def test_streams_restore_a_count_changed_after_they_were_built() -> None:
+    before = torch.get_num_threads()
+    streams = CpuStreams(2, threads=2)
+    try:
+        torch.set_num_threads(1)
+        streams.map(lambda x: x, [1, 2])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+        streams.close()
+
+
 @pytest.fixture(scope="module")
 def split_calls(monkeypatch_module: pytest.MonkeyPatch) -> list[int]:
     """How many pieces each split batch had (records every `CpuStreams.map` call in this module)."""

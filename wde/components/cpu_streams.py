@@ -26,6 +26,11 @@ MAX_AUTO_STREAMS = 4
 """`auto` uses one stream per intra-op thread up to this many (measured on 2 vCPUs only: docs/benchmarks.md)."""
 
 
+_THREAD_COUNT = threading.Lock()
+"""Held while a split batch runs with the process's thread count lowered: one at a time per process, so two engines
+in one process never restore each other's count."""
+
+
 def auto_streams(threads: int) -> int:
     return max(1, min(threads, MAX_AUTO_STREAMS))
 
@@ -35,18 +40,18 @@ class CpuStreams:
         self.threads = threads or torch.get_num_threads()
         self.count = max(1, min(count, self.threads))
         self.per_stream = max(1, self.threads // self.count)
-        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.count, thread_name_prefix="wde-cpu-stream")
 
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         """fn over items, at most `count` at once, each on `per_stream` intra-op threads; results in order."""
-        with self._lock:  # one split batch at a time: the thread count below is the process's
+        with _THREAD_COUNT:
+            before = torch.get_num_threads()
             torch.set_num_threads(self.per_stream)
             try:
                 futures = [self._pool.submit(self._in_stream, fn, x) for x in items]
                 return [f.result() for f in futures]
             finally:
-                torch.set_num_threads(self.threads)
+                torch.set_num_threads(before)
 
     def _in_stream(self, fn: Callable[[T], R], item: T) -> R:
         torch.set_num_threads(self.per_stream)  # this thread's own OpenMP and MKL counts (microseconds)
