@@ -114,11 +114,12 @@ def main() -> None:
         (args.dtype if args.device.startswith("cuda") else "float32")
 
     def build(extra: list[str]) -> Engine:
-        return Engine.from_workflow(
-            args.workflow, path, dtype=args.dtype, device=args.device, overrides=[*args.overrides, *extra],
-            attention={"name": args.attention, "params": {}},
-            scheduler={"params": {"max_num_batched_tokens": int(args.max_batched_tokens) if args.max_batched_tokens.isdigit() else "auto", "max_num_requests": 1024}},
-            executor={"name": args.executor, "params": {}})
+        # The script's own settings go first, as strings, so `--set` and `--variant` override them.
+        budget = args.max_batched_tokens
+        own = [f"attention.name={args.attention}", f"scheduler.params.max_num_batched_tokens={budget}",
+               "scheduler.params.max_num_requests=1024", f"executor.name={args.executor}"]
+        return Engine.from_workflow(args.workflow, path, dtype=args.dtype, device=args.device,
+                                    overrides=[*own, *args.overrides, *extra])
 
     engine = build([])
     variants = {f"wde[{v}]": build(v.split(";")) for v in args.variant}
