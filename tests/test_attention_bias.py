@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.batches import packed_batch
 from tests.tiny_models import build_bert
 from wde import Engine
 from wde.components.attention.base import AttentionBackend, AttentionParams
@@ -24,10 +25,7 @@ LENS = [5, 1, 17, 9, 3]
 
 
 def _batch(lens: list[int], device: str = "cpu") -> ModelInput:
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lens).cumsum(0)
-    positions = torch.cat([torch.arange(n) for n in lens])
-    return ModelInput(torch.zeros(sum(lens), dtype=torch.long), positions, cu, lens, max(lens)).to(device)
+    return packed_batch(lens).to(device)
 
 
 def _backend(cls: type[AttentionBackend]) -> AttentionBackend:

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.batches import packed_batch
 from wde.components.attention.base import AttentionParams
 from wde.components.attention.torch_sdpa import TorchSDPABackend, _plan_groups
 from wde.components.model_input_builder import ModelInput
@@ -18,10 +19,7 @@ def _backend() -> TorchSDPABackend:
 
 
 def _batch(lens: list[int]) -> ModelInput:
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lens).cumsum(0)
-    positions = torch.cat([torch.arange(n) for n in lens])
-    return ModelInput(torch.zeros(sum(lens), dtype=torch.long), positions, cu, lens, max(lens))
+    return packed_batch(lens)
 
 
 def _reference(q, k, v, lens, causal, scale):

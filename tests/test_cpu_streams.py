@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests import faults
+from tests.batches import packed_batch
 from tests.tiny_models import varied_texts
 from wde import Engine, PoolingParams
 from wde.components.cpu_streams import CpuStreams, auto_streams
@@ -25,11 +26,9 @@ WHOLE = ["runner.params.cpu_streams=1"]
 
 
 def packed(lens: list[int], types: bool = False) -> ModelInput:
-    cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
-    total = int(cu[-1])
-    positions = torch.cat([torch.arange(n) for n in lens])
-    return ModelInput(torch.arange(100, 100 + total), positions, cu, list(lens), max(lens),
-                      torch.arange(total) % 2 if types else None, [RequestPoolingParams(dimensions=i) for i in lens])
+    total = sum(lens)
+    return packed_batch(lens, torch.arange(100, 100 + total), torch.arange(total) % 2 if types else None,
+                        [RequestPoolingParams(dimensions=i) for i in lens])
 
 
 @pytest.mark.parametrize("lens,parts", [([5, 3, 8, 2, 7, 1, 9], 2), ([5, 3, 8, 2, 7, 1, 9], 3), ([10, 1, 1, 1], 2),
@@ -101,7 +100,7 @@ def split_calls(monkeypatch_module: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     original = CpuStreams.map
 
-    def spy(self: CpuStreams, fn, items):  # noqa: ANN001
+    def spy(self: CpuStreams, fn, items):
         calls.append(len(items))
         return original(self, fn, items)
 
