@@ -1,7 +1,7 @@
 """bfloat16 on CPU: the detection of native bf16, the one-line hint, and MiniLM's bf16 vectors against fp32.
 
-The precision test runs only where the CPU has native bf16 (avx512_bf16 / amx_bf16); elsewhere torch emulates
-bf16 matmuls slowly and nobody should pick it, so the test skips. The detection runs everywhere on fake cpuinfo.
+The precision test runs on every CPU: where it lacks native bf16 (avx512_bf16 / amx_bf16) torch emulates the bf16
+matmuls, slowly but with the same numbers. The detection runs everywhere on fake cpuinfo.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from tests.test_parity_minilm import parity_texts
 from wde import Engine, device
+from wde.engine_info import EngineInfo
 
 ZEN2_AVX2 = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ht syscall nx mmxext fxsr_opt lm pni ssse3"
              " fma cx16 sse4_1 sse4_2 movbe popcnt aes xsave avx f16c rdrand bmi1 avx2 smep bmi2 sha_ni")
@@ -24,10 +25,12 @@ AMX_ONLY = ZEN2_AVX2 + " amx_bf16 amx_tile"
 SKYLAKE_X = ZEN2_AVX2 + " avx512f avx512dq avx512cd avx512bw avx512vl"  # AVX-512 but no bf16 instructions
 ARM = "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm"
 
-# Measured on MiniLM and the parity texts: bf16 weights and activations give a min cosine of 0.99984 to fp32
-# (sentence-transformers cast to bf16 gives the same 0.99984), a mean of 0.99994. Short texts are the worst.
-MIN_COSINE = 0.9995
-MEAN_COSINE = 0.9999
+# Measured on MiniLM and the parity texts: pure bf16 weights and activations give a min cosine of 0.99984 to fp32
+# (sentence-transformers cast to bf16 gives the same 0.99984), a mean of 0.99994; short texts are the worst.
+# Mixed precision (the CPU default: bf16 linear layers, float32 embeddings, norms and residuals) gives 0.999923 /
+# 0.999975, which meets the issue's bound.
+MIN_COSINE, MEAN_COSINE = 0.9995, 0.9999
+MIN_COSINE_MIXED, MEAN_COSINE_MIXED = 0.9999, 0.99995
 MEAN = ["pooler.params.pooling=mean"]  # the tiny BERT has no sentence-transformers Pooling config
 
 
@@ -95,28 +98,38 @@ def test_building_an_fp32_engine_logs_the_hint(tiny_bert: Path, tmp_path: Path, 
         assert any("model.params.dtype=bfloat16" in r.getMessage() for r in caplog.records) is hinted, dtype
 
 
-def test_bf16_engine_holds_bf16_weights_on_cpu(tiny_bert: Path) -> None:
-    with Engine.from_workflow("bert", tiny_bert, dtype="bfloat16", device="cpu", overrides=MEAN) as engine:
-        model = engine.components["model"]
-        assert model.params.dtype == "bfloat16" and model.dtype == torch.bfloat16
-        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-        out = engine.embed(["bf16 on the CPU"])
-    assert out.dtype == np.float32 and np.isfinite(out).all()
+def test_bf16_engine_holds_bf16_linear_weights_on_cpu(tiny_bert: Path) -> None:
+    """Mixed precision by default on CPU: bf16 linear layers, float32 embeddings and norms; pure on request."""
+    for mixed, dtypes in (("auto", {torch.bfloat16, torch.float32}), ("false", {torch.bfloat16})):
+        with Engine.from_workflow("bert", tiny_bert, dtype="bfloat16", device="cpu",
+                                  overrides=[*MEAN, f"model.params.mixed_precision={mixed}"]) as engine:
+            model = engine.components["model"]
+            assert model.params.dtype == "bfloat16" and model.dtype == torch.bfloat16
+            assert {p.dtype for p in model.parameters()} == dtypes
+            assert model.embeddings.word_embeddings.weight.dtype == (torch.float32 if mixed == "auto" else torch.bfloat16)
+            assert model.encoder.layer[0].attention.qkv.weight.dtype == torch.bfloat16
+            assert EngineInfo.of(engine).dtype == "bfloat16"
+            out = engine.embed(["bf16 on the CPU"])
+        assert out.dtype == np.float32 and np.isfinite(out).all()
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
-@pytest.mark.skipif(not device.cpu_has_fast_bf16(),
-                    reason="this CPU has no native bfloat16 (avx512_bf16 / amx_bf16 not in /proc/cpuinfo flags)")
-def test_minilm_bf16_matches_fp32(minilm_path: Path, minilm_engine: Engine) -> None:
+@pytest.mark.parametrize(("mixed", "min_cosine", "mean_cosine"), [
+    ("auto", MIN_COSINE_MIXED, MEAN_COSINE_MIXED), ("false", MIN_COSINE, MEAN_COSINE)])
+def test_minilm_bf16_matches_fp32(minilm_path: Path, minilm_engine: Engine, mixed: str, min_cosine: float,
+                                  mean_cosine: float) -> None:
+    """Runs on every CPU: without native bf16 torch emulates the bf16 matmuls (slower, the same numbers: pure bf16
+    gave 0.99984 here and on a Zen 5 with avx512_bf16)."""
     texts = parity_texts()
     fp32 = minilm_engine.embed(texts, truncate=True)
-    with Engine.from_workflow("bert", minilm_path, dtype="bfloat16", device="cpu") as engine:
+    with Engine.from_workflow("bert", minilm_path, dtype="bfloat16", device="cpu",
+                              overrides=[f"model.params.mixed_precision={mixed}"]) as engine:
         assert engine.components["model"].dtype == torch.bfloat16
         bf16 = engine.embed(texts, truncate=True)
     cos = cosines(fp32, bf16)
     worst = int(cos.argmin())
-    assert cos.min() >= MIN_COSINE, f"min cosine {cos.min():.6f} on {texts[worst][:60]!r}"
-    assert cos.mean() >= MEAN_COSINE, f"mean cosine {cos.mean():.6f}"
+    assert cos.min() >= min_cosine, f"min cosine {cos.min():.6f} on {texts[worst][:60]!r}"
+    assert cos.mean() >= mean_cosine, f"mean cosine {cos.mean():.6f}"

@@ -29,7 +29,7 @@ class EngineInfo:
     pooling: str
     """The pooling mode (or the pooler's name) of an embedding workflow."""
     dtype: str
-    """The model's parameter dtype, e.g. "float32"."""
+    """The model's dtype, e.g. "float32" (with mixed precision, its linear layers' dtype)."""
     device: str
     """Where the model runs, e.g. "cpu", "cuda:0"."""
 
@@ -53,6 +53,7 @@ class EngineInfo:
             dense_size=engine.dense_size,
             labels=tuple(str(x) for x in labels),
             pooling=str(getattr(pooler, "mode", engine.workflow.components["pooler"].name)),
-            dtype=str(param.dtype).removeprefix("torch.") if param is not None else "unknown",
+            dtype=str(getattr(model, "dtype", None) or param.dtype).removeprefix("torch.") if param is not None
+            else "unknown",
             device=str(param.device) if param is not None else "cpu",
         )

@@ -13,6 +13,7 @@ from wde.components.base import BuildContext, Component, Params
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.cpu_linear import pack_linears, resolve_cpu_linear
 from wde.components.models.loader import load_weights
+from wde.components.models.mixed_precision import cast_linears, resolve_mixed_precision
 from wde.components.params import ModelParams  # torch-free, so validating a workflow needs no torch
 from wde.device import default_device, suggest_cpu_bf16
 from wde.errors import ModelLoadError
@@ -42,6 +43,10 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+def _cast_output(model: "PrefillModel", args: object, hidden: torch.Tensor) -> torch.Tensor:
+    return hidden.to(model.dtype)
+
+
 class PrefillModel(nn.Module, Component):
     """A model over packed tokens. Subclasses build their layers in `build(config)` and implement `forward`.
 
@@ -53,7 +58,8 @@ class PrefillModel(nn.Module, Component):
     `uses_attention_bias` says the model passes an additive bias to its attention backend, so the model refuses
     to build with a backend that lacks `supports_bias`.
 
-    Set before `build` runs: `config` (the Hugging Face config), `device`, `dtype`, `causal`, `attn_backend`.
+    Set before `build` runs: `config` (the Hugging Face config), `device`, `dtype`, `causal`, `attn_backend`,
+    `mixed_precision` (then `build` runs in float32 and the linear layers are cast to `dtype` after loading).
     """
 
     kind = "model"
@@ -78,8 +84,10 @@ class PrefillModel(nn.Module, Component):
                 f"model {self.name!r} adds an attention bias, which attention {self.attn_backend.name!r} does not"
                 " support; use attention: {name: torch_sdpa} or {name: triton_varlen}")
         self.causal = self.attn_backend.resolve_causal(self.default_causal)
+        self.mixed_precision = resolve_mixed_precision(params.mixed_precision, self.device, self.dtype)
+        """Linear layers in `dtype`, everything else in float32 (wde/components/models/mixed_precision.py)."""
         self._check_position_table(ctx)
-        with torch.device(self.device), _default_dtype(self.dtype):
+        with torch.device(self.device), _default_dtype(torch.float32 if self.mixed_precision else self.dtype):
             self.build(self.config)
         self.eval()
         try:
@@ -87,6 +95,9 @@ class PrefillModel(nn.Module, Component):
                          self.checkpoint_name_mapping)
         except ModelLoadError as e:
             raise ModelLoadError(f"{type(self).__name__} cannot load {ctx.source.path}: {e}") from None
+        if self.mixed_precision:
+            cast_linears(self, self.dtype)
+            self.register_forward_hook(_cast_output)  # poolers and heads get `dtype`, as from a pure model
         self.linear_backend = resolve_cpu_linear(params.cpu_linear, self.device, self.dtype)
         """"torch" or "onednn": the path this model's linear layers take."""
         if self.linear_backend == "onednn":

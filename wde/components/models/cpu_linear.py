@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from transformers.activations import GELUActivation, GELUTanh, NewGELUActivation
 
+from wde.components.models.mixed_precision import CastLinear
 from wde.components.params import CpuLinear  # the choice lives with ModelParams, torch-free
 
 log = logging.getLogger("wde.models")
@@ -44,6 +45,10 @@ _POST_OPS: dict[type[nn.Module], tuple[str, str]] = {
 }
 """Activation modules oneDNN can apply as a post-op of the linear before them: (attr, algorithm). `nn.GELU` is
 mapped from its `approximate` attribute."""
+
+
+_LINEARS = (nn.Linear, CastLinear)
+"""The module types `pack_linears` replaces (exactly these: a subclass may compute something else)."""
 
 
 def onednn_available() -> bool:
@@ -105,18 +110,20 @@ def resolve_cpu_linear(choice: CpuLinear, device: torch.device, dtype: torch.dty
 class PackedLinear(nn.Module):
     """`nn.Linear`'s function with the weight reordered once for oneDNN (sized for `rows`-token batches; any
     number of rows works), optionally followed by a fused activation (`post_op`: oneDNN attr and algorithm).
+    The input is cast to the weight's dtype, as `CastLinear` does (a no-op unless the model is mixed precision).
     Inference only: the packed weight is not a parameter."""
 
     def __init__(self, linear: nn.Linear, rows: int, post_op: tuple[str, str] = ("none", "")) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = linear.weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.post_op = post_op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         attr, algorithm = self.post_op
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, attr, [], algorithm)
 
     def extra_repr(self) -> str:
         fused = "" if self.post_op[0] == "none" else f", fused {'/'.join(p for p in self.post_op if p)}"
@@ -134,7 +141,7 @@ def _dense_act_pair(module: nn.Module) -> tuple[str, tuple[str, str]] | None:
     """(activation attribute, post-op) when `module` is exactly an `nn.Linear` called `dense` and one fusible
     activation (BERT's intermediate block), else None."""
     children = dict(module.named_children())
-    if len(children) != 2 or type(children.get("dense")) is not nn.Linear:
+    if len(children) != 2 or type(children.get("dense")) not in _LINEARS:
         return None
     (act_name, act), = ((n, c) for n, c in children.items() if n != "dense")
     post_op = post_op_for(act)
@@ -171,7 +178,7 @@ def fusion_pays() -> bool:
 
 
 def pack_linears(model: nn.Module, rows: int, fuse: bool | None = None) -> int:
-    """Replace every `nn.Linear` under `model` with a `PackedLinear` (with `fuse`, default `fusion_pays()`, an
+    """Replace every `nn.Linear` (or `CastLinear`) under `model` with a `PackedLinear` (with `fuse`, default `fusion_pays()`, an
     activation that follows a `dense` layer becomes its post-op); returns how many linear layers were replaced."""
     fuse = fusion_pays() if fuse is None else fuse
     count = 0
@@ -179,7 +186,7 @@ def pack_linears(model: nn.Module, rows: int, fuse: bool | None = None) -> int:
         if fuse and _fuse_activation(module, rows):
             count += 1
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) in _LINEARS:
                 setattr(module, name, PackedLinear(child, rows))
                 count += 1
     return count

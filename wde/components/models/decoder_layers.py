@@ -88,9 +88,13 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, meta, self.scale)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return self.attend(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), meta)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention in v's dtype, then the output projection. In a mixed-precision model v leaves its linear
+        layer in the low dtype while float32 rotary tables (or q/k norms) promote q and k to float32."""
+        out = self.backend.forward(q.to(v.dtype), k.to(v.dtype), v, meta, self.scale)
+        return self.o_proj(out.reshape(q.shape[0], -1))
 
 
 class GatedMLP(nn.Module):

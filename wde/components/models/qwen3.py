@@ -20,9 +20,7 @@ class Qwen3Attention(DecoderAttention):
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = apply_rotary(self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))[0], cos, sin)
         k = apply_rotary(self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))[0], cos, sin)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, meta, self.scale)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return self.attend(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), meta)
 
 
 class Qwen3DecoderLayer(DecoderLayer):

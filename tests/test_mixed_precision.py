@@ -1,0 +1,154 @@
+"""Mixed precision on CPU (`model.params.mixed_precision`): bf16 linear layers, float32 everywhere else.
+
+Every family the engine serves is built three ways from the same tiny random weights (float32, bf16 mixed, bf16
+pure) and each output is compared with the float32 one. bf16 matmuls run on any CPU (emulated where the CPU lacks
+native bf16: slower, same numbers), so these tests run everywhere; the MiniLM precision bound is in
+tests/test_cpu_bf16.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests import tiny_decoders, tiny_heads, tiny_models
+from tests.tiny_models import varied_texts
+from wde import Engine
+from wde.request import PoolingParams
+from wde.components.models.cpu_linear import PackedLinear, onednn_available, onednn_error
+from wde.components.models.mixed_precision import CastLinear, cast_linears, resolve_mixed_precision
+
+TEXTS = [" ".join(t.split()[:12]) for t in varied_texts(24, seed=5)]
+PAIRS = [(TEXTS[0], t) for t in TEXTS[1:12]]
+BF16 = "bfloat16"
+MEAN = ["pooler.params.pooling=mean"]
+
+cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+
+def test_auto_is_mixed_for_low_precision_on_cpu_only() -> None:
+    assert resolve_mixed_precision("auto", cpu, torch.bfloat16)
+    assert resolve_mixed_precision("auto", cpu, torch.float16)
+    assert not resolve_mixed_precision("auto", cpu, torch.float32)
+    assert not resolve_mixed_precision("auto", cuda, torch.float16)
+    assert not resolve_mixed_precision("auto", cuda, torch.bfloat16)
+    assert not resolve_mixed_precision(False, cpu, torch.bfloat16)
+    assert resolve_mixed_precision(True, cpu, torch.bfloat16)
+    assert not resolve_mixed_precision(True, cpu, torch.float32)  # nothing to mix
+    assert not resolve_mixed_precision(False, cuda, torch.float16)
+
+
+def test_true_on_a_gpu_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"model.params.mixed_precision=true is supported on CPU only.*cuda"):
+        resolve_mixed_precision(True, cuda, torch.float16)
+
+
+def test_cast_linears_casts_weights_and_inputs() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Sequential(nn.Linear(16, 4, bias=False)), nn.LayerNorm(4))
+    x = torch.randn(5, 8)
+    w0, b0, w2 = (t.detach().bfloat16() for t in (model[0].weight, model[0].bias, model[2][0].weight))
+    with torch.no_grad():
+        expected = F.linear(F.gelu(F.linear(x.bfloat16(), w0, b0)), w2)
+        assert cast_linears(model, torch.bfloat16) == 2
+        out = model[:3](x)
+    assert type(model[0]) is CastLinear and type(model[2][0]) is CastLinear
+    assert model[0].weight.dtype == model[0].bias.dtype == torch.bfloat16 and model[2][0].bias is None
+    assert model[3].weight.dtype == torch.float32  # not a linear layer: untouched
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+
+
+@pytest.mark.skipif(not onednn_available() or onednn_error(torch.float32) is not None,
+                    reason="oneDNN runs no prepacked float32 linear here")
+def test_packed_linear_casts_its_input() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(8, 16)
+    x = torch.randn(5, 8).bfloat16()
+    with torch.no_grad():
+        out = PackedLinear(linear, rows=8)(x)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, linear(x.float()), rtol=1e-5, atol=1e-5)
+
+
+def _m3(engine: Engine) -> dict[str, np.ndarray]:
+    outs = engine.encode(TEXTS, PoolingParams(outputs=("dense", "sparse", "colbert")))
+    vocab = int(engine.source.hf_config.vocab_size)
+    sparse = np.zeros((len(outs), vocab), dtype=np.float32)  # lexical weights as rows over the vocabulary
+    for row, o in zip(sparse, outs):
+        for token, weight in o.outputs["sparse"].items():
+            row[token] = weight
+    return {
+        "dense": np.stack([o.outputs["dense"] for o in outs]),
+        "colbert": np.concatenate([o.outputs["colbert"] for o in outs]),
+        "sparse": sparse,
+    }
+
+
+Case = tuple[str, Callable[[Path], Path], list[str], Callable[[Engine], dict[str, np.ndarray]]]
+
+CASES: dict[str, Case] = {
+    "bert": ("bert", lambda d: tiny_models.build_bert(d), MEAN, lambda e: {"dense": e.embed(TEXTS)}),
+    "xlm_roberta": ("xlm_roberta", lambda d: tiny_models.build_xlmr(d), MEAN, lambda e: {"dense": e.embed(TEXTS)}),
+    "gte_qwen2": ("gte_qwen2", lambda d: tiny_decoders.build_qwen2(d, tiny_decoders.qwen2_tokenizer(real=False)), [],
+                  lambda e: {"dense": e.embed(TEXTS)}),
+    "e5_mistral": ("e5_mistral", lambda d: tiny_decoders.build_mistral(d), [], lambda e: {"dense": e.embed(TEXTS)}),
+    "llm2vec": ("llm2vec", lambda d: tiny_decoders.build_llama(d), [], lambda e: {"dense": e.embed(TEXTS)}),
+    "qwen3_embedding": ("qwen3_embedding",
+                        lambda d: tiny_decoders.build_qwen3(d / "m", tiny_decoders.qwen3_tokenizer(real=False)), [],
+                        lambda e: {"dense": e.embed(TEXTS)}),
+    "bge_m3": ("bge_m3", lambda d: tiny_heads.build_bge_m3(d), [], _m3),
+    "cross_encoder": ("bge_reranker_v2_m3", lambda d: tiny_heads.build_xlmr_classifier(d), [],
+                      lambda e: {"score": np.array(e.score(PAIRS))}),
+    "qwen3_reranker": ("qwen3_reranker", lambda d: tiny_decoders.build_qwen3(
+        d / "m", tiny_decoders.qwen3_tokenizer(real=False), causal_lm=True, tie_word_embeddings=False), [],
+        lambda e: {"score": np.array(e.score(PAIRS, activation=False))}),
+}
+if importlib.util.find_spec("wde_plugin_t5") is not None:  # an outside plugin's model is cast the same way
+    from tests.tiny_t5 import build_sentence_t5
+
+    CASES["sentence_t5"] = ("sentence_t5", lambda d: build_sentence_t5(d), [], lambda e: {"dense": e.embed(TEXTS)})
+
+
+def _run(workflow: str, path: Path, overrides: list[str], fetch: Callable[[Engine], dict[str, np.ndarray]],
+         dtype: str, mixed: str) -> tuple[dict[str, np.ndarray], nn.Module]:
+    with Engine.from_workflow(workflow, path, dtype=dtype, device="cpu",
+                              overrides=[*overrides, f"model.params.mixed_precision={mixed}"]) as engine:
+        return fetch(engine), engine.components["model"]
+
+
+def _error(ref: np.ndarray, out: np.ndarray) -> float:
+    """1 - cosine for vectors (rows), relative max error for scalars and flat weights."""
+    if ref.ndim == 2:
+        cos = (ref * out).sum(1) / (np.linalg.norm(ref, axis=1) * np.linalg.norm(out, axis=1))
+        return float(1 - cos.min())
+    return float(np.abs(ref - out).max() / max(np.abs(ref).max(), 1e-6))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_family_runs_mixed_and_stays_close_to_float32(case: str, tmp_path: Path) -> None:
+    workflow, build, overrides, fetch = CASES[case]
+    path = build(tmp_path)
+    ref, _ = _run(workflow, path, overrides, fetch, "float32", "auto")
+    mixed, model = _run(workflow, path, overrides, fetch, BF16, "auto")
+    pure, pure_model = _run(workflow, path, overrides, fetch, BF16, "false")
+
+    assert model.mixed_precision and model.dtype == torch.bfloat16 and not pure_model.mixed_precision
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    assert linears and all(type(m) in (CastLinear, PackedLinear) for m in linears)
+    assert {m.weight.dtype for m in linears if isinstance(m, nn.Linear)} <= {torch.bfloat16}
+    others = {p.dtype for name, p in model.named_parameters() if not any(
+        name.startswith(f"{n}.") for n, m in model.named_modules() if isinstance(m, nn.Linear))}
+    assert others == {torch.float32}  # embeddings and norms
+    assert {p.dtype for p in pure_model.parameters()} == {torch.bfloat16}
+    for key in ref:
+        assert mixed[key].shape == ref[key].shape and np.isfinite(mixed[key]).all()
+        err_mixed, err_pure = _error(ref[key], mixed[key]), _error(ref[key], pure[key])
+        bound = 2e-4 if ref[key].ndim == 2 else 1e-2  # measured: ≤ 5e-5 for vectors, ≤ 6e-3 for log-odds
+        assert err_mixed <= bound, f"{key}: mixed {err_mixed:.2e} (pure {err_pure:.2e})"
