@@ -23,7 +23,8 @@ from tests.tiny_models import varied_texts
 from wde import Engine
 from wde.request import PoolingParams
 from wde.components.models.cpu_linear import PackedLinear, onednn_available, onednn_error
-from wde.components.models.mixed_precision import CastLinear, cast_linears, resolve_mixed_precision
+from wde.components.models.mixed_precision import (CastLinear, cast_linears, float32_outside_linears,
+                                                   resolve_mixed_precision)
 
 TEXTS = [" ".join(t.split()[:12]) for t in varied_texts(24, seed=5)]
 PAIRS = [(TEXTS[0], t) for t in TEXTS[1:12]]
@@ -63,6 +64,21 @@ def test_cast_linears_casts_weights_and_inputs() -> None:
     assert model[0].weight.dtype == model[0].bias.dtype == torch.bfloat16 and model[2][0].bias is None
     assert model[3].weight.dtype == torch.float32  # not a linear layer: untouched
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+
+
+def test_float32_outside_linears_then_cast_linears_copies_no_linear_weight() -> None:
+    """The load path of a mixed model: built in bf16, all but the linear layers moved to float32, the linear layers
+    wrapped in place (their bf16 weights are not copied, so a big model never holds them twice)."""
+    with torch.device("cpu"):
+        model = nn.Sequential(nn.Embedding(10, 8), nn.LayerNorm(8), nn.Linear(8, 8)).to(torch.bfloat16)
+    model.register_buffer("positions", torch.arange(4))
+    model[1].register_buffer("table", torch.ones(3, dtype=torch.bfloat16))
+    weight = model[2].weight.data_ptr()
+    float32_outside_linears(model)
+    assert model[0].weight.dtype == model[1].weight.dtype == model[1].bias.dtype == model[1].table.dtype == torch.float32
+    assert model.positions.dtype == torch.int64 and model[2].weight.dtype == torch.bfloat16
+    cast_linears(model, torch.bfloat16)
+    assert type(model[2]) is CastLinear and model[2].weight.data_ptr() == weight
 
 
 @pytest.mark.skipif(not onednn_available() or onednn_error(torch.float32) is not None,

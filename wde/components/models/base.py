@@ -13,7 +13,7 @@ from wde.components.base import BuildContext, Component, Params
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.cpu_linear import pack_linears, resolve_cpu_linear
 from wde.components.models.loader import load_weights
-from wde.components.models.mixed_precision import cast_linears, resolve_mixed_precision
+from wde.components.models.mixed_precision import cast_linears, float32_outside_linears, resolve_mixed_precision
 from wde.components.params import ModelParams  # torch-free, so validating a workflow needs no torch
 from wde.device import default_device, suggest_cpu_bf16
 from wde.errors import ModelLoadError
@@ -59,7 +59,7 @@ class PrefillModel(nn.Module, Component):
     to build with a backend that lacks `supports_bias`.
 
     Set before `build` runs: `config` (the Hugging Face config), `device`, `dtype`, `causal`, `attn_backend`,
-    `mixed_precision` (then `build` runs in float32 and the linear layers are cast to `dtype` after loading).
+    `mixed_precision` (then everything but the `nn.Linear` layers is moved to float32 before loading).
     """
 
     kind = "model"
@@ -87,8 +87,10 @@ class PrefillModel(nn.Module, Component):
         self.mixed_precision = resolve_mixed_precision(params.mixed_precision, self.device, self.dtype)
         """Linear layers in `dtype`, everything else in float32 (wde/components/models/mixed_precision.py)."""
         self._check_position_table(ctx)
-        with torch.device(self.device), _default_dtype(torch.float32 if self.mixed_precision else self.dtype):
+        with torch.device(self.device), _default_dtype(self.dtype):
             self.build(self.config)
+        if self.mixed_precision:
+            float32_outside_linears(self)  # embeddings and norms load as float32
         self.eval()
         try:
             load_weights(self, ctx.source.iter_weights(), self.checkpoint_prefixes, self.packed_modules_mapping,

@@ -6,8 +6,10 @@ the same). Keeping the embeddings, the norms and the residual stream in float32,
 layers (and what works on their outputs: the activation, attention) in the low dtype, is what `torch.autocast`
 does; it gives 0.99993 on the same texts (docs/benchmarks.md). The GEMMs, where the time goes, stay in bf16.
 
-How: the model is built and loaded in float32, then every `nn.Linear` becomes a `CastLinear` holding its weight in
-the low dtype and casting its input to it. The first elementwise op that meets the float32 residual (the add
+How: the model is built in the low dtype, every module but `nn.Linear` is then moved to float32, and the checkpoint
+loads into that (embeddings and norms straight from the file's values, never rounded to bf16 on the way; the
+weights are never all float32 at once, so a 7B model loads in the memory of its bf16 linears plus its float32
+embeddings). Every `nn.Linear` then becomes a `CastLinear`, which casts its input to its weight's dtype. The first elementwise op that meets the float32 residual (the add
 before each norm) promotes back to float32, so model code needs no change beyond feeding attention one dtype.
 The model's output is cast to the low dtype at the end, so poolers and heads see what a pure-dtype model gives
 them (`PrefillModel.dtype` stays the user's dtype).
@@ -38,8 +40,20 @@ def resolve_mixed_precision(choice: bool | str, device: torch.device, dtype: tor
     return bool(choice) and dtype != torch.float32
 
 
+def float32_outside_linears(model: nn.Module) -> None:
+    """Move the floating-point parameters and buffers of every module but `nn.Linear` to float32, in place."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            continue
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                if t is not None and t.is_floating_point() and t.dtype != torch.float32:
+                    t.data = t.data.float()
+
+
 def cast_linears(model: nn.Module, dtype: torch.dtype) -> int:
-    """Replace every `nn.Linear` under `model` by a `CastLinear` with its parameters in `dtype`; returns how many."""
+    """Replace every `nn.Linear` under `model` by a `CastLinear` with its parameters in `dtype` (the same tensors
+    when they are in `dtype` already); returns how many."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
