@@ -8,11 +8,12 @@ model at real size (e.g. `--size xlmr-large`), since speed does not depend on we
     python benchmarks/throughput.py --dtype bfloat16         # WDE in bf16 vs sentence-transformers in fp32
     python benchmarks/throughput.py --size xlmr-large --device cuda --dtype float16 --n 20000
     python benchmarks/throughput.py --variant runner.params.cpu_streams=1   # also WDE with this setting, alternated
+    python benchmarks/throughput.py --dtype bfloat16 --variant model.params.mixed_precision=false  # mixed vs pure bf16
 
 `--dtype` is WDE's dtype. sentence-transformers runs in `--st-dtype`: `auto` keeps it in float32 on CPU (the
-baseline users run there) and in WDE's dtype on CUDA (same-precision speed comparison). The agreement line is
-always against float32 sentence-transformers vectors: when it ran in another dtype, an extra float32 pass on
-the first `--agreement-n` sentences (not timed) gives them. The last line is the fraction of roofline: WDE's
+baseline users run there) and in WDE's dtype on CUDA (same-precision speed comparison). The agreement lines (one
+per WDE configuration) are always against float32 sentence-transformers vectors: when it ran in another dtype, an
+extra float32 pass on the first `--agreement-n` sentences (not timed) gives them. The roofline line is WDE's
 achieved FLOP/s (model FLOPs per token x tokens/s) over the best square-GEMM FLOP/s measured on the same device in
 the same dtype (`roofline.py`).
 """
@@ -149,13 +150,12 @@ def main() -> None:
             sync(args.device)
             best[name] = min(best[name], time.perf_counter() - t0)
 
-    a, b = outs["wde"].astype(np.float32), outs["sentence-transformers"].astype(np.float32)
+    ref = outs["sentence-transformers"].astype(np.float32)
     if st_dtype_name != "float32":  # the agreement is always against float32 vectors
         del st
         m = min(args.agreement_n, len(texts))
-        ref = SentenceTransformer(str(path), device=args.device, model_kwargs={"dtype": torch.float32})
-        a, b = a[:m], ref.encode(texts[:m], batch_size=args.st_batch_size, convert_to_numpy=True).astype(np.float32)
-    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+        st32 = SentenceTransformer(str(path), device=args.device, model_kwargs={"dtype": torch.float32})
+        ref = st32.encode(texts[:m], batch_size=args.st_batch_size, convert_to_numpy=True).astype(np.float32)
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or platform.machine()
     print(f"machine: {gpu}, {os.cpu_count()} cpus, torch {torch.__version__}")
     print(f"model: {args.size or path.name} ({args.device}; wde {args.dtype}, sentence-transformers {st_dtype_name});"
@@ -174,8 +174,11 @@ def main() -> None:
     print(f"roofline: {per_token / 1e6:.1f} MFLOP/token, {args.dtype} GEMM peak {peak / 1e12:.3f} TFLOP/s measured here"
           f" ({peak / per_token:,.0f} tokens/s at best); wde reaches {achieved / 1e12:.3f} TFLOP/s ="
           f" {achieved / peak:.0%} of roofline")
-    print(f"agreement of wde ({args.dtype}) with float32 sentence-transformers over {len(cos)} sentences:"
-          f" min cosine {cos.min():.6f}, mean {cos.mean():.6f}, max abs diff {np.abs(a - b).max():.2e}")
+    for name in ("wde", *variants):
+        a = outs[name][: len(ref)].astype(np.float32)
+        cos = (a * ref).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(ref, axis=1))
+        print(f"agreement of {name} ({args.dtype}) with float32 sentence-transformers over {len(ref)} sentences:"
+              f" min cosine {cos.min():.6f}, mean {cos.mean():.6f}, max abs diff {np.abs(a - ref).max():.2e}")
     for e in (engine, *variants.values()):
         e.close()
 

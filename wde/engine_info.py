@@ -53,7 +53,7 @@ class EngineInfo:
             dense_size=engine.dense_size,
             labels=tuple(str(x) for x in labels),
             pooling=str(getattr(pooler, "mode", engine.workflow.components["pooler"].name)),
-            dtype=str(getattr(model, "dtype", None) or param.dtype).removeprefix("torch.") if param is not None
-            else "unknown",
+            dtype=str(getattr(model, "dtype", None) or param.dtype).removeprefix("torch.") if param is not None else
+            "unknown",
             device=str(param.device) if param is not None else "cpu",
         )

@@ -178,8 +178,9 @@ def fusion_pays() -> bool:
 
 
 def pack_linears(model: nn.Module, rows: int, fuse: bool | None = None) -> int:
-    """Replace every `nn.Linear` (or `CastLinear`) under `model` with a `PackedLinear` (with `fuse`, default `fusion_pays()`, an
-    activation that follows a `dense` layer becomes its post-op); returns how many linear layers were replaced."""
+    """Replace every `nn.Linear` (or `CastLinear`) under `model` with a `PackedLinear` (with `fuse`, default
+    `fusion_pays()`, an activation that follows a `dense` layer becomes its post-op); returns how many linear layers
+    were replaced."""
     fuse = fusion_pays() if fuse is None else fuse
     count = 0
     for module in list(model.modules()):

@@ -4,15 +4,16 @@ A model in pure bfloat16 rounds its residual stream and its norms to 8 bits of m
 all-MiniLM-L6-v2 that costs a min cosine of 0.99984 to the float32 vectors (sentence-transformers cast to bf16:
 the same). Keeping the embeddings, the norms and the residual stream in float32, and running only the linear
 layers (and what works on their outputs: the activation, attention) in the low dtype, is what `torch.autocast`
-does; it gives 0.99993 on the same texts (docs/benchmarks.md). The GEMMs, where the time goes, stay in bf16.
+does; it gives 0.99992 on the same texts (docs/benchmarks.md). The GEMMs, where the time goes, stay in bf16.
 
-How: the model is built in the low dtype, every module but `nn.Linear` is then moved to float32, and the checkpoint
-loads into that (embeddings and norms straight from the file's values, never rounded to bf16 on the way; the
-weights are never all float32 at once, so a 7B model loads in the memory of its bf16 linears plus its float32
-embeddings). Every `nn.Linear` then becomes a `CastLinear`, which casts its input to its weight's dtype. The first elementwise op that meets the float32 residual (the add
-before each norm) promotes back to float32, so model code needs no change beyond feeding attention one dtype.
-The model's output is cast to the low dtype at the end, so poolers and heads see what a pure-dtype model gives
-them (`PrefillModel.dtype` stays the user's dtype).
+How: the model is built in the low dtype, every module but `nn.Linear` is then moved to float32, and the
+checkpoint loads into that (embeddings and norms straight from the file's values, never rounded to bf16 on the
+way; the weights are never all float32 at once, so a 7B model loads in the memory of its bf16 linear layers plus
+its float32 embeddings). Every `nn.Linear` then becomes a `CastLinear`, which casts its input to its weight's
+dtype. The first elementwise op that meets the float32 residual (the add before each norm) promotes back to
+float32, so model code needs no change beyond feeding attention one dtype. The model's output is cast to the low
+dtype at the end, so poolers and heads see what a pure-dtype model gives them (`PrefillModel.dtype` stays the
+user's dtype).
 """
 
 from __future__ import annotations
