@@ -86,6 +86,36 @@ def test_no_hint_without_native_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert not device.suggest_cpu_bf16(torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.parametrize(("flags", "dtype", "warned"), [
+    (ZEN2_AVX2, torch.bfloat16, True), (SKYLAKE_X, torch.bfloat16, True),
+    (ZEN4, torch.bfloat16, False), (SAPPHIRE_RAPIDS, torch.bfloat16, False), (ARM, torch.bfloat16, False),
+    (ZEN2_AVX2, torch.float32, False), (ZEN2_AVX2, torch.float16, False),
+])
+def test_emulated_bf16_is_warned_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      caplog: pytest.LogCaptureFixture, flags: str, dtype: torch.dtype,
+                                      warned: bool) -> None:
+    monkeypatch.setattr(device, "CPUINFO_PATH", fake_cpuinfo(tmp_path, flags))
+    monkeypatch.setattr(device, "_emulated_bf16_warned", False)
+    caplog.set_level(logging.WARNING, logger="wde.device")
+    assert device.warn_emulated_cpu_bf16(torch.device("cpu"), dtype) is warned
+    assert not device.warn_emulated_cpu_bf16(torch.device("cpu"), dtype)  # once per process
+    assert not device.warn_emulated_cpu_bf16(torch.device("meta"), torch.bfloat16)
+    messages = [r.getMessage() for r in caplog.records if r.name == "wde.device"]
+    assert len(messages) == warned
+    if warned:
+        assert "no native bfloat16" in messages[0] and "drop model.params.dtype=bfloat16" in messages[0]
+
+
+def test_building_a_bf16_engine_on_an_avx2_cpu_warns(tiny_bert: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(device, "CPUINFO_PATH", fake_cpuinfo(tmp_path, ZEN2_AVX2))
+    monkeypatch.setattr(device, "_emulated_bf16_warned", False)
+    caplog.set_level(logging.WARNING, logger="wde.device")
+    with Engine.from_workflow("bert", tiny_bert, dtype="bfloat16", device="cpu", overrides=MEAN):
+        pass
+    assert any("emulates" in r.getMessage() for r in caplog.records if r.name == "wde.device")
+
+
 def test_building_an_fp32_engine_logs_the_hint(tiny_bert: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(device, "CPUINFO_PATH", fake_cpuinfo(tmp_path, SAPPHIRE_RAPIDS))

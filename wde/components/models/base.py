@@ -15,7 +15,7 @@ from wde.components.models.cpu_linear import pack_linears, resolve_cpu_linear
 from wde.components.models.loader import load_weights
 from wde.components.models.mixed_precision import cast_linears, float32_outside_linears, resolve_mixed_precision
 from wde.components.params import ModelParams  # torch-free, so validating a workflow needs no torch
-from wde.device import default_device, suggest_cpu_bf16
+from wde.device import default_device, suggest_cpu_bf16, warn_emulated_cpu_bf16
 from wde.errors import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -78,6 +78,7 @@ class PrefillModel(nn.Module, Component):
         self.dtype = resolve_dtype(params.dtype, self.device)
         if params.dtype == "auto":  # an explicit float32 is the user's choice: no hint then
             suggest_cpu_bf16(self.device, self.dtype)
+        warn_emulated_cpu_bf16(self.device, self.dtype)
         self.attn_backend: AttentionBackend = ctx.attention
         if self.uses_attention_bias and not self.attn_backend.supports_bias:
             raise ModelLoadError(
