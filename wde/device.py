@@ -70,9 +70,9 @@ def warn_emulated_cpu_bf16(device: torch.device, dtype: torch.dtype) -> bool:
     """Log, once per process, a WARNING when a model is built in bfloat16 on an x86 CPU without native bfloat16,
     where PyTorch emulates the bf16 matmuls. Returns whether it logged."""
     global _emulated_bf16_warned
-    flags = cpu_flags()
-    if (_emulated_bf16_warned or device.type != "cpu" or dtype != torch.bfloat16 or "sse2" not in flags
-            or cpu_has_fast_bf16()):
+    if _emulated_bf16_warned or device.type != "cpu" or dtype != torch.bfloat16:
+        return False  # checked first: every model build calls this, and only these read /proc/cpuinfo
+    if "sse2" not in cpu_flags() or cpu_has_fast_bf16():
         return False  # ARM lists its bf16 support differently: no claim made there
     _emulated_bf16_warned = True
     logging.getLogger("wde.device").warning(
