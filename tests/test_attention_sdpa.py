@@ -9,17 +9,12 @@ import torch.nn.functional as F
 from tests.batches import packed_batch
 from wde.components.attention.base import AttentionParams
 from wde.components.attention.torch_sdpa import TorchSDPABackend, _plan_groups
-from wde.components.model_input_builder import ModelInput
 
 
 def _backend() -> TorchSDPABackend:
     backend = TorchSDPABackend.__new__(TorchSDPABackend)
     backend.params = AttentionParams()
     return backend
-
-
-def _batch(lens: list[int]) -> ModelInput:
-    return packed_batch(lens)
 
 
 def _reference(q, k, v, lens, causal, scale):
@@ -42,7 +37,7 @@ def test_varlen_matches_per_sequence(causal: bool, lens: list[int], kv_heads: in
     t = sum(lens)
     q, k, v = torch.randn(t, 4, 16), torch.randn(t, kv_heads, 16), torch.randn(t, kv_heads, 16)
     backend = _backend()
-    out = backend.forward(q, k, v, backend.build_metadata(_batch(lens), causal), 0.25)
+    out = backend.forward(q, k, v, backend.build_metadata(packed_batch(lens), causal), 0.25)
     torch.testing.assert_close(out, _reference(q, k, v, lens, causal, 0.25), atol=1e-5, rtol=1e-5)
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests import tiny_decoders
-from tests.test_attention_sdpa import _batch, _reference
+from tests.batches import packed_batch
+from tests.test_attention_sdpa import _reference
 from tests.test_decoders import Reference
 from tests.test_parity_tiny import reference_states
 from tests.tiny_models import varied_texts
@@ -39,9 +40,9 @@ def test_matches_torch_sdpa_and_per_sequence_attention(causal: bool, lens: list[
     qkv = torch.randn(t, 4 + 2 * kv_heads, 16)  # q/k/v as strided views of one projection, as the models make them
     q, k, v = qkv.split([4, kv_heads, kv_heads], dim=1)
     varlen, sdpa = _bare(CpuVarlenBackend), _bare(TorchSDPABackend)
-    out = varlen.forward(q, k, v, varlen.build_metadata(_batch(lens), causal), 0.25)
+    out = varlen.forward(q, k, v, varlen.build_metadata(packed_batch(lens), causal), 0.25)
     assert out.shape == q.shape
-    torch.testing.assert_close(out, sdpa.forward(q, k, v, sdpa.build_metadata(_batch(lens), causal), 0.25),
+    torch.testing.assert_close(out, sdpa.forward(q, k, v, sdpa.build_metadata(packed_batch(lens), causal), 0.25),
                                atol=TOL, rtol=TOL)
     torch.testing.assert_close(out, _reference(q, k, v, lens, causal, 0.25), atol=TOL, rtol=TOL)
 
@@ -54,7 +55,7 @@ def test_adjacent_equal_lengths_share_one_call() -> None:
 def test_a_bias_is_refused_with_a_clear_error() -> None:
     backend = _bare(CpuVarlenBackend)
     with pytest.raises(ValueError, match="cpu_varlen.*bias.*torch_sdpa"):
-        backend.build_metadata(_batch([3, 2]), False, torch.zeros(4, 3, 3))
+        backend.build_metadata(packed_batch([3, 2]), False, torch.zeros(4, 3, 3))
 
 
 def test_auto_picks_cpu_varlen_for_long_cpu_batches_only(tiny_bert: Path) -> None:
@@ -64,9 +65,9 @@ def test_auto_picks_cpu_varlen_for_long_cpu_batches_only(tiny_bert: Path) -> Non
         assert isinstance(auto, AutoBackend)
         short, long = [MIN_MEAN_LEN - 1] * 4, [MIN_MEAN_LEN, MIN_MEAN_LEN + 40, MIN_MEAN_LEN - 20]
         assert not prefer_varlen(short) and prefer_varlen(long)
-        assert isinstance(auto.build_metadata(_batch(short), False).extra[0], TorchSDPABackend)
-        assert isinstance(auto.build_metadata(_batch(long), False).extra[0], CpuVarlenBackend)
-        biased = auto.build_metadata(_batch(long), False, torch.zeros(2, 200, 200))  # tiny BERT: 2 heads
+        assert isinstance(auto.build_metadata(packed_batch(short), False).extra[0], TorchSDPABackend)
+        assert isinstance(auto.build_metadata(packed_batch(long), False).extra[0], CpuVarlenBackend)
+        biased = auto.build_metadata(packed_batch(long), False, torch.zeros(2, 200, 200))  # tiny BERT: 2 heads
         assert isinstance(biased.extra[0], TorchSDPABackend) and biased.bias is not None
 
 

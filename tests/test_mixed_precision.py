@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests import tiny_decoders, tiny_heads, tiny_models
+from tests.test_cpu_bf16 import cosines
 from tests.tiny_models import varied_texts
 from wde import Engine
 from wde.request import PoolingParams
@@ -93,6 +94,10 @@ def test_packed_linear_casts_its_input() -> None:
         torch.testing.assert_close(out, linear(x.float()), rtol=1e-5, atol=1e-5)
 
 
+def _dense(engine: Engine) -> dict[str, np.ndarray]:
+    return {"dense": engine.embed(TEXTS)}
+
+
 def _m3(engine: Engine) -> dict[str, np.ndarray]:
     outs = engine.encode(TEXTS, PoolingParams(outputs=("dense", "sparse", "colbert")))
     vocab = int(engine.source.hf_config.vocab_size)
@@ -110,17 +115,17 @@ def _m3(engine: Engine) -> dict[str, np.ndarray]:
 Case = tuple[str, Callable[[Path], Path], list[str], Callable[[Engine], dict[str, np.ndarray]]]
 
 CASES: dict[str, Case] = {
-    "bert": ("bert", lambda d: tiny_models.build_bert(d), MEAN, lambda e: {"dense": e.embed(TEXTS)}),
-    "xlm_roberta": ("xlm_roberta", lambda d: tiny_models.build_xlmr(d), MEAN, lambda e: {"dense": e.embed(TEXTS)}),
+    "bert": ("bert", tiny_models.build_bert, MEAN, _dense),
+    "xlm_roberta": ("xlm_roberta", tiny_models.build_xlmr, MEAN, _dense),
     "gte_qwen2": ("gte_qwen2", lambda d: tiny_decoders.build_qwen2(d, tiny_decoders.qwen2_tokenizer(real=False)), [],
-                  lambda e: {"dense": e.embed(TEXTS)}),
-    "e5_mistral": ("e5_mistral", lambda d: tiny_decoders.build_mistral(d), [], lambda e: {"dense": e.embed(TEXTS)}),
-    "llm2vec": ("llm2vec", lambda d: tiny_decoders.build_llama(d), [], lambda e: {"dense": e.embed(TEXTS)}),
+                  _dense),
+    "e5_mistral": ("e5_mistral", tiny_decoders.build_mistral, [], _dense),
+    "llm2vec": ("llm2vec", tiny_decoders.build_llama, [], _dense),
     "qwen3_embedding": ("qwen3_embedding",
                         lambda d: tiny_decoders.build_qwen3(d / "m", tiny_decoders.qwen3_tokenizer(real=False)), [],
-                        lambda e: {"dense": e.embed(TEXTS)}),
-    "bge_m3": ("bge_m3", lambda d: tiny_heads.build_bge_m3(d), [], _m3),
-    "cross_encoder": ("bge_reranker_v2_m3", lambda d: tiny_heads.build_xlmr_classifier(d), [],
+                        _dense),
+    "bge_m3": ("bge_m3", tiny_heads.build_bge_m3, [], _m3),
+    "cross_encoder": ("bge_reranker_v2_m3", tiny_heads.build_xlmr_classifier, [],
                       lambda e: {"score": np.array(e.score(PAIRS))}),
     "qwen3_reranker": ("qwen3_reranker", lambda d: tiny_decoders.build_qwen3(
         d / "m", tiny_decoders.qwen3_tokenizer(real=False), causal_lm=True, tie_word_embeddings=False), [],
@@ -129,7 +134,7 @@ CASES: dict[str, Case] = {
 if importlib.util.find_spec("wde_plugin_t5") is not None:  # an outside plugin's model is cast the same way
     from tests.tiny_t5 import build_sentence_t5
 
-    CASES["sentence_t5"] = ("sentence_t5", lambda d: build_sentence_t5(d), [], lambda e: {"dense": e.embed(TEXTS)})
+    CASES["sentence_t5"] = ("sentence_t5", build_sentence_t5, [], _dense)
 
 
 def _run(workflow: str, path: Path, overrides: list[str], fetch: Callable[[Engine], dict[str, np.ndarray]],
@@ -142,8 +147,7 @@ def _run(workflow: str, path: Path, overrides: list[str], fetch: Callable[[Engin
 def _error(ref: np.ndarray, out: np.ndarray) -> float:
     """1 - cosine for vectors (rows), relative max error for scalars and flat weights."""
     if ref.ndim == 2:
-        cos = (ref * out).sum(1) / (np.linalg.norm(ref, axis=1) * np.linalg.norm(out, axis=1))
-        return float(1 - cos.min())
+        return float(1 - cosines(ref, out).min())
     return float(np.abs(ref - out).max() / max(np.abs(ref).max(), 1e-6))
 
 
