@@ -113,3 +113,22 @@ def test_plugins_lists_builtins() -> None:
     assert {f"{c.kind}:{c.name}" for c in BUILTIN_COMPONENTS} <= components
     assert {"bert", "bge_v1_5", "xlm_roberta"} <= set(listing["wde.plugins.builtin_workflows"]["workflows"])
     assert "BertModel->bert" in listing["wde.plugins.builtin_workflows"]["architectures"]
+
+
+def test_validate_a_missing_path_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`wde validate workflows/` where there is no such folder names the missing path (one line, exit 1), not
+    an unknown workflow; a registered workflow name is still accepted."""
+    monkeypatch.chdir(tmp_path)
+    for arg in ("workflows/", "workflows/bert.yaml", "nosuch.yaml", str(tmp_path / "nowhere")):
+        result = run("validate", arg)
+        assert result.exit_code == 1, result.output
+        assert result.output.splitlines() == [f"error {arg}: no such file or folder", "0 valid, 1 invalid"]
+    bare = run("validate", "workflows")  # no such folder, nor a workflow of that name: both said
+    assert bare.exit_code == 1
+    assert bare.output.startswith("error workflows: no such file or folder, nor a registered workflow:"
+                                  " unknown workflow 'workflows'")
+    report = json.loads(run("validate", "--format", "json", "workflows/").output)
+    assert report == {"ok": False, "files": [{"file": "workflows/", "ok": False, "issues": [
+        {"file": "workflows/", "line": 0, "column": 0, "path": "", "message": "no such file or folder"}]}]}
+    ok = run("validate", "bert", "bge_v1_5")
+    assert ok.exit_code == 0 and "ok    bert (bert)" in ok.output and "2 valid, 0 invalid" in ok.output

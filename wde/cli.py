@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -11,15 +12,33 @@ import click
 from wde.errors import Issue, Location, ModelLoadError, RegistryError, WorkflowError
 
 
-def _workflow_files(paths: tuple[str, ...]) -> list[Path]:
-    files: list[Path] = []
+def _workflow_files(paths: tuple[str, ...]) -> list[Path | str]:
+    """What each argument of `wde validate` names: a folder's `*.yaml`/`*.yml`, a file (`Path`s), or, for an
+    argument that is no file or folder on disk, the argument itself (a `str`: a registered workflow name, or a
+    path that does not exist)."""
+    files: list[Path | str] = []
     for p in paths:
         path = Path(p)
         if path.is_dir():
             files.extend(sorted(path.glob("*.yaml")) + sorted(path.glob("*.yml")))
-        else:
+        elif path.exists():
             files.append(path)
+        else:
+            files.append(p)
     return files
+
+
+def _missing(arg: str) -> str | None:
+    """Why `arg`, no file or folder on disk, cannot be validated; None for a registered workflow name."""
+    from wde.registry import get_registry
+
+    if arg.endswith((".yaml", ".yml")) or any(sep in arg for sep in {"/", os.sep, os.altsep} - {None}):
+        return "no such file or folder"
+    try:
+        get_registry().workflow_path(arg)
+    except RegistryError as e:
+        return f"no such file or folder, nor a registered workflow: {e}"
+    return None
 
 
 @click.group()
@@ -39,8 +58,11 @@ def validate(paths: tuple[str, ...], fmt: str, overrides: tuple[str, ...]) -> No
     files = _workflow_files(paths)
     results = []
     for f in files:
+        if isinstance(f, str) and (why := _missing(f)) is not None:
+            results.append({"file": f, "ok": False, "issues": [Issue(Location(f), "", why).to_dict()]})
+            continue
         try:
-            wf = load_workflow(f if f.exists() else str(f), overrides)
+            wf = load_workflow(f, overrides)
             results.append({"file": str(f), "ok": True, "name": wf.name, "issues": []})
         except WorkflowError as e:
             results.append({"file": str(f), "ok": False, "issues": [i.to_dict() for i in e.issues]})

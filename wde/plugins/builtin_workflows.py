@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+import wde
 from wde.errors import RegistryError
 from wde.plugins.hookspecs import hookimpl
 
@@ -64,10 +67,23 @@ FOLDER_ARCHITECTURES = (
 
 
 def workflows_dir() -> Path:
-    """`workflows/` of a source checkout, or the copy installed as package data `wde.workflows`."""
-    here = Path(__file__).resolve()
-    checkout = here.parents[2] / "workflows"
-    return checkout if checkout.is_dir() else here.parents[1] / "workflows"
+    """The bundled workflows: the package data `wde.workflows` (pyproject.toml maps it to the checkout's
+    `workflows/`), found with `importlib.resources` in a regular or an editable install. Never a path relative to
+    this file: in site-packages, `../workflows` may be another distribution's top-level package (llama-index-core
+    pulls llama-index-workflows, which installs one). Only a source tree that is not installed (its root on
+    sys.path, so `wde.workflows` does not import) falls back to the `workflows/` beside its `pyproject.toml`."""
+    try:
+        found = resources.files("wde.workflows")
+    except ModuleNotFoundError:
+        root = Path(wde.__file__).resolve().parents[1]
+        if (root / "pyproject.toml").is_file() and (root / "workflows").is_dir():
+            return root / "workflows"
+        raise RegistryError("the bundled workflows (package data wde.workflows) are missing from this install"
+                            f" of wde ({Path(wde.__file__).parent}); reinstall it") from None
+    if isinstance(found, Path):
+        return found
+    # not a folder on disk as one Path (a namespace package gives a MultiplexedPath): its first folder
+    return Path(next(iter(importlib.import_module("wde.workflows").__path__)))
 
 
 @hookimpl
