@@ -15,7 +15,7 @@ import pytest
 
 from tests.test_parity_minilm import TOLERANCE, parity_texts
 from wde import Engine
-from wde.components.pooler import st_pooling_mode
+from wde.components.pooler import StPooling, st_pooling, st_pooling_mode
 from wde.errors import ModelLoadError
 
 
@@ -79,11 +79,23 @@ def test_both_formats_are_read(cfg: dict, mode: str) -> None:
     assert st_pooling_mode(cfg, "config.json") == mode
 
 
+@pytest.mark.parametrize(("cfg", "mode"), [
+    ({"pooling_mode": "weightedmean"}, "weightedmean"),
+    ({"pooling_mode": "mean_sqrt_len_tokens"}, "mean_sqrt_len"),
+    ({"pooling_mode_weightedmean_tokens": True}, "weightedmean"),
+])
+def test_every_single_mode_is_read(cfg: dict, mode: str) -> None:
+    assert st_pooling_mode(cfg, "config.json") == mode
+
+
+def test_concatenations_and_prompt_exclusion_are_read() -> None:
+    assert st_pooling({"pooling_mode": ["cls", "mean"], "include_prompt": False}, "c") == StPooling(("cls", "mean"), False)
+    assert st_pooling({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}, "c").modes == ("cls", "mean")
+
+
 @pytest.mark.parametrize(("cfg", "message"), [
-    ({"pooling_mode": "weightedmean"}, "pooling mode 'weightedmean' is not supported; WDE supports cls, mean, max, lasttoken"),
-    ({"pooling_mode": "mean_sqrt_len_tokens"}, "pooling mode 'mean_sqrt_len_tokens' is not supported"),
-    ({"pooling_mode_weightedmean_tokens": True}, "pooling mode 'weightedmean' is not supported"),
-    ({"pooling_mode": "avg"}, "unknown pooling mode 'avg'; WDE supports cls, mean, max, lasttoken"),
+    # st_pooling_mode is for poolers that pool with one mode over every token (the `sentence` pooler reads all)
+    ({"pooling_mode": "avg"}, "unknown pooling mode 'avg'; WDE supports cls, mean, max, lasttoken, weightedmean"),
     ({"pooling_mode": ["cls", "mean"]}, "concatenates the modes ['cls', 'mean']"),
     ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}, "concatenates the modes ['cls', 'mean']"),
     ({"pooling_mode": 3}, "pooling_mode must be a mode name or a list of them"),
@@ -107,9 +119,9 @@ def _folder_with_pooling(minilm_path: Path, dest: Path, pooling: dict) -> Path:
     return dest
 
 
-def test_engine_refuses_an_unsupported_mode(minilm_path: Path, tmp_path: Path) -> None:
-    folder = _folder_with_pooling(minilm_path, tmp_path / "m", {"embedding_dimension": 384, "pooling_mode": "weightedmean"})
-    with pytest.raises(ModelLoadError, match=r"1_Pooling/config.json: pooling mode 'weightedmean' is not supported"):
+def test_engine_refuses_an_unknown_mode(minilm_path: Path, tmp_path: Path) -> None:
+    folder = _folder_with_pooling(minilm_path, tmp_path / "m", {"embedding_dimension": 384, "pooling_mode": "avg"})
+    with pytest.raises(ModelLoadError, match=r"1_Pooling/config.json: unknown pooling mode 'avg'"):
         Engine.from_workflow("bert", folder)
     # an explicit pooling mode does not read the config
     with Engine.from_workflow("bert", folder, overrides=["pooler.params.pooling=mean"]) as engine:

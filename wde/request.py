@@ -44,6 +44,9 @@ class PoolingParams:
     dimensions: int | None = None
     outputs: tuple[str, ...] | None = None
     activation: bool | None = None
+    prompt_tokens: int = 0
+    """Set by the input processor, not by users: how many leading tokens are the instruction prompt
+    (sentence-transformers' `prompt_length`), for a pooler that leaves the prompt out (`include_prompt: false`)."""
 
 
 @dataclass

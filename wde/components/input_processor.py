@@ -5,6 +5,7 @@ No tokenization happens here (seed 000): a burst of submissions must not block o
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from typing import Any, Literal, Mapping
@@ -48,6 +49,10 @@ class TextInputProcessor(Component):
         if self.default_prompt_name and self.default_prompt_name not in self.prompts:
             raise ValueError(f"input_processor.params.default_prompt_name {self.default_prompt_name!r} is not one of the prompts {sorted(self.prompts)}")
         self._vocab_size = ctx.tokenizer.vocab_size
+        self._tokenizer = ctx.tokenizer
+        self._prompt_tokens: dict[str, int] | None = {} if _pooling_leaves_out_prompt(ctx) else None
+        """Prompt text → its token count (sentence-transformers' rule), kept only when the model's Pooling
+        leaves the prompt out; a handful of prompts in practice, and at most `_PROMPT_CACHE` of them."""
 
     def check_text(self, value: Any, field: str) -> str:
         """`value` if it is a usable text; else a `RequestError` naming `field` (type, empty, length, Unicode)."""
@@ -71,6 +76,21 @@ class TextInputProcessor(Component):
         if name not in self.prompts:
             raise RequestError(f"prompt_name {name!r} is not defined; defined prompts: {sorted(self.prompts) or 'none'}", "prompt_name")
         return self.prompts[name]
+
+    def prompt_tokens(self, prefix: str) -> int:
+        """How many leading tokens of an input starting with `prefix` are the prompt, as sentence-transformers
+        counts them: the prompt tokenized alone, special tokens included, less a trailing special token."""
+        if not prefix or self._prompt_tokens is None:
+            return 0
+        n = self._prompt_tokens.get(prefix)
+        if n is None:
+            hf = self._tokenizer.hf_tokenizer
+            ids = hf(prefix)["input_ids"]
+            n = len(ids) - (1 if ids and ids[-1] in set(hf.all_special_ids) else 0)
+            if len(self._prompt_tokens) >= _PROMPT_CACHE:
+                self._prompt_tokens.clear()
+            self._prompt_tokens[prefix] = n
+        return n
 
     def to_prompt(self, inputs: Any, params: PoolingParams, field: InputName = "input") -> Prompt:
         """Validate one input and return its prompt; raise `RequestError` naming the field on bad input.
@@ -112,4 +132,17 @@ class TextInputProcessor(Component):
     def process(self, request_id: str, inputs: Any, params: PoolingParams | None = None,
                 arrival_time: float | None = None, field: InputName = "input") -> Request:
         params = params or PoolingParams()
-        return Request(request_id, self.to_prompt(inputs, params, field), params, arrival_time or time.perf_counter())
+        prompt = self.to_prompt(inputs, params, field)
+        if self._prompt_tokens is not None and isinstance(prompt, TextPrompt):
+            params = dataclasses.replace(params, prompt_tokens=self.prompt_tokens(self._prompt_prefix(params)))
+        return Request(request_id, prompt, params, arrival_time or time.perf_counter())
+
+
+_PROMPT_CACHE = 256
+
+
+def _pooling_leaves_out_prompt(ctx: BuildContext) -> bool:
+    """Whether the model folder's sentence-transformers Pooling config says `include_prompt: false`."""
+    folder = ctx.source.st_module_path("Pooling")
+    cfg = ctx.source.read_json(f"{folder.relative_to(ctx.source.path)}/config.json") if folder else None
+    return isinstance(cfg, dict) and cfg.get("include_prompt", True) is False

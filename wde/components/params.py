@@ -39,10 +39,11 @@ class AttentionParams(Params):
 
 
 class SentencePoolerParams(Params):
-    pooling: Literal["auto", "cls", "mean", "max", "last", "all"] = "auto"
-    """auto: read sentence-transformers' Pooling config from the model folder."""
+    pooling: Literal["auto", "cls", "mean", "max", "last", "weightedmean", "mean_sqrt_len", "all"] = "auto"
+    """auto: read sentence-transformers' Pooling config from the model folder (its modes and include_prompt);
+    a mode set here replaces that config. The modules after Pooling (Dense, LayerNorm, Normalize) always run."""
     normalize: bool | Literal["auto"] = "auto"
-    """auto: true when the model's modules.json has a Normalize module."""
+    """auto: true when the model's modules.json ends with a Normalize module."""
 
 
 class ClassifierParams(Params):

@@ -15,9 +15,10 @@ from wde.components.base import BuildContext, Component
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.fused import l2_normalize
 from wde.components.params import SentencePoolerParams  # torch-free, so validating a workflow needs no torch
+from wde.components.st_modules import after_pooling, read_modules, transformer_config
 from wde.errors import ModelLoadError
 
-PoolingMode = Literal["cls", "mean", "max", "last", "all"]
+PoolingMode = Literal["cls", "mean", "max", "last", "weightedmean", "mean_sqrt_len", "all"]
 
 
 @dataclass
@@ -53,23 +54,44 @@ def segment_ids(batch: ModelInput) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(batch.num_seqs, device=lens.device), lens)
 
 
-def pool(hidden: torch.Tensor, batch: ModelInput, mode: PoolingMode) -> torch.Tensor:
-    """[num_seqs, hidden] pooled states (not for mode 'all', which keeps every token)."""
+def pool(hidden: torch.Tensor, batch: ModelInput, mode: PoolingMode, skip: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_seqs, hidden] pooled states (not for mode 'all', which keeps every token).
+
+    `skip[i]` leading tokens of sequence i are left out (an instruction prompt, sentence-transformers'
+    `include_prompt: false`): 'cls' then takes the first token after them, the averages and 'max' ignore them.
+    Averages accumulate in float32. 'weightedmean' weighs token p (0-based) by p + 1, 'mean_sqrt_len' divides the
+    sum by the square root of the token count; both as sentence-transformers does.
+    """
     cu = batch.cu_seqlens.long()
     if mode == "cls":
-        return hidden[cu[:-1]]
+        if skip is None:
+            return hidden[cu[:-1]]
+        lens = cu[1:] - cu[:-1]
+        return hidden[cu[:-1] + torch.where(skip < lens, skip, 0)]
     if mode == "last":
         return hidden[cu[1:] - 1]
     seg = segment_ids(batch)
     h = hidden.float()
-    if mode == "mean":
-        sums = torch.zeros(batch.num_seqs, h.shape[1], device=h.device, dtype=h.dtype).index_add_(0, seg, h)
-        lens = (cu[1:] - cu[:-1]).to(h.dtype)
-        return (sums / lens[:, None]).to(hidden.dtype)
+    keep = None
+    if skip is not None or mode == "weightedmean":
+        position = torch.arange(h.shape[0], device=h.device) - cu[:-1][seg]
+        if skip is not None:
+            keep = position >= skip[seg]
+            h = torch.where(keep[:, None], h, 0.0) if mode != "max" else h.masked_fill(~keep[:, None], float("-inf"))
     if mode == "max":
         init = torch.full((batch.num_seqs, h.shape[1]), float("-inf"), device=h.device, dtype=h.dtype)
         return init.scatter_reduce_(0, seg[:, None].expand_as(h), h, "amax").to(hidden.dtype)
-    raise ValueError(f"unknown pooling mode {mode!r}")
+    weights = (position + 1).to(h.dtype) if mode == "weightedmean" else torch.ones(h.shape[0], device=h.device)
+    if keep is not None:
+        weights = weights * keep
+    if mode == "weightedmean":
+        h = h * weights[:, None]
+    elif mode not in ("mean", "mean_sqrt_len"):
+        raise ValueError(f"unknown pooling mode {mode!r}")
+    sums = torch.zeros(batch.num_seqs, h.shape[1], device=h.device, dtype=h.dtype).index_add_(0, seg, h)
+    counts = torch.zeros(batch.num_seqs, device=h.device, dtype=h.dtype).index_add_(0, seg, weights.to(h.dtype))
+    counts = counts.clamp_min(1e-9)
+    return (sums / (counts.sqrt() if mode == "mean_sqrt_len" else counts)[:, None]).to(hidden.dtype)
 
 
 def finish_embeddings(x: torch.Tensor, batch: ModelInput, normalize_default: bool) -> torch.Tensor:
@@ -94,10 +116,9 @@ def finish_embeddings(x: torch.Tensor, batch: ModelInput, normalize_default: boo
     return x
 
 
-# sentence-transformers' pooling mode names -> WDE's. Its other modes (mean_sqrt_len_tokens, weightedmean) and
-# concatenations of several modes are refused when the model is loaded, never silently pooled another way.
-_ST_MODES: dict[str, PoolingMode] = {"cls": "cls", "mean": "mean", "max": "max", "lasttoken": "last"}
-_ST_KNOWN_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
+# sentence-transformers' pooling mode names -> WDE's.
+_ST_MODES: dict[str, PoolingMode] = {"cls": "cls", "mean": "mean", "max": "max", "lasttoken": "last",
+                                     "weightedmean": "weightedmean", "mean_sqrt_len_tokens": "mean_sqrt_len"}
 # sentence-transformers < 5 wrote one boolean key per mode; >= 5 writes `"pooling_mode": "mean"` (a name, or a
 # list of names to concatenate) plus `include_prompt`, and reads both forms.
 _ST_LEGACY_KEYS = {
@@ -110,14 +131,22 @@ _ST_LEGACY_KEYS = {
 }
 
 
-def st_pooling_mode(cfg: dict, where: str) -> PoolingMode:
-    """WDE's pooling mode for a sentence-transformers `Pooling/config.json` in either format.
+@dataclass(frozen=True)
+class StPooling:
+    """A sentence-transformers Pooling config: the modes whose results are concatenated (most often one), and
+    whether the instruction prompt's tokens are pooled too."""
+
+    modes: tuple[PoolingMode, ...]
+    include_prompt: bool = True
+
+
+def st_pooling(cfg: dict, where: str) -> StPooling:
+    """WDE's reading of a sentence-transformers `Pooling/config.json` in either format.
 
     Follows sentence-transformers' own reading: `pooling_mode` wins over the legacy boolean keys, and a config
     that names no mode at all means "mean" (its default). `where` names the file in errors.
     """
     override = " (or set pooler.params.pooling explicitly)"
-    supported = ", ".join(_ST_MODES)
     if "pooling_mode" in cfg:
         raw = cfg["pooling_mode"]
         if isinstance(raw, str):
@@ -129,21 +158,34 @@ def st_pooling_mode(cfg: dict, where: str) -> PoolingMode:
     else:
         names = [mode for key, mode in _ST_LEGACY_KEYS.items() if cfg.get(key)] or ["mean"]
     for name in names:
-        if name not in _ST_KNOWN_MODES:
-            raise ModelLoadError(f"{where}: unknown pooling mode {name!r}; WDE supports {supported}{override}")
-    if len(names) > 1:
-        raise ModelLoadError(f"{where}: pooling concatenates the modes {names}; WDE pools with exactly one"
-                             f" of {supported}{override}")
-    if names[0] not in _ST_MODES:
-        raise ModelLoadError(f"{where}: pooling mode {names[0]!r} is not supported; WDE supports {supported}{override}")
-    if cfg.get("include_prompt", True) is False:
-        raise ModelLoadError(f"{where}: include_prompt is false (prompt tokens left out of the pooling), which WDE"
-                             f" does not support; it pools over every token, prompt included{override}")
-    return _ST_MODES[names[0]]
+        if name not in _ST_MODES:
+            raise ModelLoadError(f"{where}: unknown pooling mode {name!r}; WDE supports {', '.join(_ST_MODES)}{override}")
+    include = cfg.get("include_prompt", True)
+    if not isinstance(include, bool):
+        raise ModelLoadError(f"{where}: include_prompt must be true or false, got {include!r}")
+    return StPooling(tuple(_ST_MODES[n] for n in names), include)
+
+
+def st_pooling_mode(cfg: dict, where: str) -> PoolingMode:
+    """The one pooling mode of a sentence-transformers Pooling config, for poolers that pool with one mode over
+    every token (`pool`); a concatenation of modes or `include_prompt: false` is refused naming the file."""
+    st = st_pooling(cfg, where)
+    override = " (or set pooler.params.pooling explicitly)"
+    if len(st.modes) > 1:
+        raise ModelLoadError(f"{where}: pooling concatenates the modes {list(st.modes)}; this pooler pools with"
+                             f" exactly one{override}")
+    if not st.include_prompt:
+        raise ModelLoadError(f"{where}: include_prompt is false (prompt tokens left out of the pooling), which this"
+                             f" pooler does not support{override}")
+    return st.modes[0]
 
 
 class SentencePooler(Component):
-    """CLS, mean, max, last-token or all-token pooling with optional L2 normalization (output 'dense')."""
+    """sentence-transformers' pipeline after the Transformer, read from the model folder's `modules.json`:
+    Pooling (CLS, mean, max, last token, weighted mean, mean/sqrt(len), concatenations, with or without the
+    prompt's tokens), then its Dense / LayerNorm / Dropout / Normalize modules in order (output 'dense'); or
+    all-token states (`pooling: all`, output 'token_embeddings'). Every module runs here, on the device, in the
+    same pass as the model; a module it does not implement is refused when the model is loaded."""
 
     kind = "pooler"
     name = "sentence"
@@ -151,23 +193,57 @@ class SentencePooler(Component):
 
     def __init__(self, params: SentencePoolerParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
-        self.mode: PoolingMode = params.pooling if params.pooling != "auto" else self._st_mode(ctx)  # type: ignore[assignment]
+        modules = read_modules(ctx.source)
+        transformer_config(ctx.source)
+        if params.pooling != "auto":
+            st = StPooling((params.pooling,))  # type: ignore[arg-type]
+        else:
+            st = self._st_pooling(ctx)
+        self.modes: tuple[PoolingMode, ...] = st.modes
+        self.mode: str = "+".join(st.modes)
+        """The pooling mode ("mean", ...; modes joined by "+" when the config concatenates several)."""
+        self.include_prompt = st.include_prompt
+        self.head, width, normalize_last = after_pooling(modules or [], ctx.model.hidden_size * len(st.modes))
+        # pooling 'all' gives the Transformer's token states, as sentence-transformers' output_value=
+        # "token_embeddings" does: the modules after pooling apply to sentence embeddings only.
+        if self.head is not None:
+            self.head.to(ctx.model.device)
+        truncate_dim = (ctx.source.read_json("config_sentence_transformers.json") or {}).get("truncate_dim")
+        if truncate_dim is not None:
+            if not isinstance(truncate_dim, int) or isinstance(truncate_dim, bool) or truncate_dim < 1:
+                raise ModelLoadError(f"{ctx.source.path / 'config_sentence_transformers.json'}: truncate_dim must be"
+                                     f" a positive integer, got {truncate_dim!r}")
+            width = min(width, truncate_dim)
+        self.truncate_dim: int | None = truncate_dim
+        """sentence-transformers' `truncate_dim`: every embedding keeps its first this many features (before
+        normalization, so a normalizing model still returns unit vectors)."""
         if params.normalize == "auto":
-            self.normalize = ctx.source.st_module_path("Normalize") is not None
+            self.normalize = normalize_last
         else:
             self.normalize = bool(params.normalize)
         self.outputs = ("token_embeddings",) if self.mode == "all" else ("dense",)
-        self.dense_size = None if self.mode == "all" else ctx.model.hidden_size
+        self.dense_size = None if self.mode == "all" else width
 
     @staticmethod
-    def _st_mode(ctx: BuildContext) -> str:
+    def _st_pooling(ctx: BuildContext) -> StPooling:
         folder = ctx.source.st_module_path("Pooling")
         cfg = ctx.source.read_json(f"{folder.relative_to(ctx.source.path)}/config.json") if folder else None
         if not cfg:
             raise ModelLoadError(
                 f"pooler.params.pooling is 'auto' but {ctx.source.path} has no sentence-transformers Pooling config;"
-                " set pooler.params.pooling to one of cls, mean, max, last, all")
-        return st_pooling_mode(cfg, str(folder / "config.json"))
+                " set pooler.params.pooling to one of cls, mean, max, last, weightedmean, mean_sqrt_len, all")
+        return st_pooling(cfg, str(folder / "config.json"))
+
+    def embed(self, hidden: torch.Tensor, batch: ModelInput) -> torch.Tensor:
+        """[num_seqs, width] float32 sentence embeddings before `dimensions` and normalization."""
+        skip = None
+        if not self.include_prompt and any(p.prompt_tokens for p in batch.pooling_params):
+            skip = torch.tensor([p.prompt_tokens for p in batch.pooling_params], device=hidden.device)
+        parts = [pool(hidden, batch, mode, skip).float() for mode in self.modes]
+        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if self.head is not None:
+            x = self.head(x)
+        return x if self.truncate_dim is None else x[:, :self.truncate_dim]
 
     def forward(self, hidden: torch.Tensor, batch: ModelInput) -> Pooled:
         if self.mode == "all":
@@ -177,4 +253,4 @@ class SentencePooler(Component):
                 per_token = torch.tensor(norms, device=x.device)[segment_ids(batch)][:, None]
                 x = torch.where(per_token, l2_normalize(x), x)
             return Pooled(ragged={"token_embeddings": (x, batch.cu_seqlens.tolist())})
-        return Pooled(rows={"dense": finish_embeddings(pool(hidden, batch, self.mode), batch, self.normalize)})
+        return Pooled(rows={"dense": finish_embeddings(self.embed(hidden, batch), batch, self.normalize)})
