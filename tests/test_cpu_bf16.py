@@ -15,6 +15,7 @@ import torch
 
 from tests.test_parity_minilm import parity_texts
 from wde import Engine, device
+from wde.components.models.cpu_linear import PackedLinear, cpu_capabilities, onednn_available, onednn_bf16_supported
 from wde.engine_info import EngineInfo
 
 ZEN2_AVX2 = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ht syscall nx mmxext fxsr_opt lm pni ssse3"
@@ -128,16 +129,34 @@ def test_building_an_fp32_engine_logs_the_hint(tiny_bert: Path, tmp_path: Path, 
         assert any("model.params.dtype=bfloat16" in r.getMessage() for r in caplog.records) is hinted, dtype
 
 
+def _weight_dtypes(model: torch.nn.Module) -> tuple[set[torch.dtype], set[torch.dtype]]:
+    """(dtypes of the linear layers' weights, dtypes of every other parameter), whichever path the linear layers
+    took: `nn.Linear` (PyTorch) or `PackedLinear` (oneDNN, on hosts with native bf16), whose weight is no parameter."""
+    linears, linear_params = set(), set()
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            linears.add(module.dtype)
+        elif isinstance(module, torch.nn.Linear):
+            linears.add(module.weight.dtype)
+            linear_params.update(id(p) for p in module.parameters())
+    others = {p.dtype for p in model.parameters() if id(p) not in linear_params}
+    return linears, others
+
+
 def test_bf16_engine_holds_bf16_linear_weights_on_cpu(tiny_bert: Path) -> None:
-    """Mixed precision by default on CPU: bf16 linear layers, float32 embeddings and norms; pure on request."""
-    for mixed, dtypes in (("auto", {torch.bfloat16, torch.float32}), ("false", {torch.bfloat16})):
+    """Mixed precision by default on CPU: bf16 linear layers, float32 embeddings and norms; pure on request. The
+    linear layers are prepacked for oneDNN exactly where PyTorch reports native bf16 for its kernels."""
+    native = onednn_available() and onednn_bf16_supported() and bool(
+        cpu_capabilities().get("avx512_bf16") or cpu_capabilities().get("amx_bf16"))
+    for mixed, others in (("auto", {torch.float32}), ("false", {torch.bfloat16})):
         with Engine.from_workflow("bert", tiny_bert, dtype="bfloat16", device="cpu",
                                   overrides=[*MEAN, f"model.params.mixed_precision={mixed}"]) as engine:
             model = engine.components["model"]
             assert model.params.dtype == "bfloat16" and model.dtype == torch.bfloat16
-            assert {p.dtype for p in model.parameters()} == dtypes
+            assert model.linear_backend == ("onednn" if native else "torch")
+            assert _weight_dtypes(model) == ({torch.bfloat16}, others)
             assert model.embeddings.word_embeddings.weight.dtype == (torch.float32 if mixed == "auto" else torch.bfloat16)
-            assert model.encoder.layer[0].attention.qkv.weight.dtype == torch.bfloat16
+            assert isinstance(model.encoder.layer[0].attention.qkv, PackedLinear if native else torch.nn.Linear)
             assert EngineInfo.of(engine).dtype == "bfloat16"
             out = engine.embed(["bf16 on the CPU"])
         assert out.dtype == np.float32 and np.isfinite(out).all()

@@ -5,6 +5,9 @@ the CPU."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -172,3 +175,16 @@ def test_onednn_linears_in_bfloat16(minilm_path: Path) -> None:
                                   overrides=[f"model.params.cpu_linear={choice}"]) as engine:
             vectors[choice] = engine.embed(TEXTS)
     assert float((vectors["onednn"] * vectors["torch"]).sum(axis=1).min()) >= 0.9999
+
+
+def test_capped_kernels_decide_as_an_avx2_host() -> None:
+    """With PyTorch's and oneDNN's kernels capped to AVX2 (how CI covers the AVX2 path on an AVX-512 host), WDE
+    decides as on an AVX2-only CPU: no AVX-512 or AMX feature, PyTorch's fp32 linears, no oneDNN bf16."""
+    code = ("import torch; from wde.components.models import cpu_linear as c; caps = c.cpu_capabilities();"
+            "assert torch.backends.cpu.get_cpu_capability() == 'AVX2', torch.backends.cpu.get_cpu_capability();"
+            "assert not any(v for k, v in caps.items() if k.startswith(('avx512', 'amx'))), caps;"
+            "assert c.resolve_cpu_linear('auto', torch.device('cpu'), torch.float32) == 'torch';"
+            "assert c.resolve_cpu_linear('auto', torch.device('cpu'), torch.bfloat16) == 'torch';"
+            "assert not c.fusion_pays()")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)

@@ -50,7 +50,7 @@ def test_wire_round_trip_keeps_arrays_exact_and_sends_no_float_lists() -> None:
 
 
 def _core_pid(log: Path) -> int:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         found = re.search(r"engine core pid (\d+)", log.read_text(errors="replace"))
         if found:
@@ -108,7 +108,7 @@ def test_faults_cost_only_their_request_across_processes(minilm_path: Path, mini
         assert proc.poll() is None
 
         async def stop_while_busy() -> httpx.Response:
-            async with httpx.AsyncClient(timeout=30) as client:
+            async with httpx.AsyncClient(timeout=300) as client:
                 busy = asyncio.ensure_future(client.post(f"{url}/v1/embeddings", json={"input": "slow"}))
                 await asyncio.sleep(SLOW_S / 3)
                 proc.send_signal(signal.SIGTERM)
@@ -124,7 +124,7 @@ def test_a_dead_core_is_seen_at_once_and_the_server_exits_3(minilm_path: Path, t
         core = _core_pid(log)
 
         async def kill_while_waiting() -> list[httpx.Response | BaseException]:
-            async with httpx.AsyncClient(timeout=30) as client:
+            async with httpx.AsyncClient(timeout=300) as client:
                 waiting = [asyncio.ensure_future(client.post(f"{url}/v1/embeddings", json={"input": ["slow", t]}))
                            for t in ("a", "b", "c", "d")]
                 await asyncio.sleep(SLOW_S / 3)

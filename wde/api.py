@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from wde.components.models.fused import add_layer_norm, add_rms_norm, l2_normalize
     from wde.components.models.loader import fused_linear, load_weights
     from wde.components.params import AttentionParams, ModelParams, SentencePoolerParams
-    from wde.components.pooler import Pooled, SentencePooler, finish_embeddings, pool, segment_ids, st_pooling_mode
+    from wde.components.pooler import (Pooled, SentencePooler, StPooling, finish_embeddings, pool, segment_ids,
+                                      st_pooling, st_pooling_mode)
     from wde.components.tokenizer import HFTokenizer, HFTokenizerParams
     from wde.errors import ModelLoadError, RequestError
     from wde.model_source import ModelSource
@@ -78,6 +79,8 @@ _PUBLIC: dict[str, str] = {
     "segment_ids": "wde.components.pooler",
     "finish_embeddings": "wde.components.pooler",
     "st_pooling_mode": "wde.components.pooler",
+    "st_pooling": "wde.components.pooler",
+    "StPooling": "wde.components.pooler",
     "SentencePooler": "wde.components.pooler",
     "SentencePoolerParams": "wde.components.params",
 }

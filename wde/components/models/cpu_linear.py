@@ -56,8 +56,13 @@ def onednn_available() -> bool:
 
 
 def cpu_capabilities() -> Mapping[str, Any]:
-    """The CPU features PyTorch detected on the CPU it runs on (cpuinfo), which is what its kernels can use."""
-    return torch.cpu.get_capabilities()
+    """The CPU features PyTorch's kernels may use: what it detected on the CPU it runs on (cpuinfo), less the
+    AVX-512 and AMX features when its kernels are capped below AVX-512 (`ATEN_CPU_CAPABILITY=avx2`; oneDNN's own
+    cap is `ONEDNN_MAX_CPU_ISA`, read by `onednn_bf16_supported`), so a capped run decides as an AVX2 host does."""
+    caps = dict(torch.cpu.get_capabilities())
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        caps.update({k: False for k, v in caps.items() if k.startswith(("avx512", "amx")) and isinstance(v, bool)})
+    return caps
 
 
 def onednn_bf16_supported() -> bool:
