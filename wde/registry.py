@@ -17,7 +17,7 @@ import yaml
 
 from wde.components.base import COMPONENT_KINDS, Component, Params
 from wde.errors import RegistryError, did_you_mean
-from wde.yaml_source import SafeLoader
+from wde.yaml_source import safe_load
 
 if TYPE_CHECKING:
     from wde.model_source import ModelSource
@@ -141,7 +141,7 @@ class Registry:
     def add_workflow(self, path: Path | str, plugin: str = "<direct>") -> None:
         path = Path(path)
         try:
-            data = yaml.load(path.read_text(encoding="utf-8"), Loader=SafeLoader)  # safe: libyaml's safe loader
+            data = safe_load(path.read_text(encoding="utf-8"))  # libyaml's safe loader, aliases bounded
         except (OSError, yaml.YAMLError) as e:
             self.unreadable[str(path)] = f"plugin {plugin!r} registered {path}, which cannot be read: {e}"
             return

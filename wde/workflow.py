@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from wde.components.base import COMPONENT_KINDS, Component, Params
 from wde.errors import Issue, Location, RegistryError, WorkflowError, did_you_mean
 from wde.registry import LazyComponent, Registry, get_registry, load_component
-from wde.yaml_source import KeyPath, load_yaml_with_locations, locate
+from wde.yaml_source import KeyPath, YamlBombError, load_yaml_with_locations, locate, safe_load
 
 
 class ComponentRef(BaseModel):
@@ -213,7 +213,9 @@ def parse_override(text: str) -> tuple[KeyPath, Any]:
     if not path:
         raise WorkflowError([Issue(Location("--set"), text, "an override needs a key before '='")])
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = safe_load(raw) if raw.strip() else None
+    except YamlBombError as e:
+        raise WorkflowError([Issue(Location("--set"), key.strip(), e.message)]) from None
     except yaml.YAMLError:
         value = raw
     return path, value
