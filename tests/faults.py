@@ -1,5 +1,5 @@
 """Fault-injection components: a tokenizer, input builder, model, pooler, runner, output processor and scheduler
-that fail on purpose.
+that fail on purpose, and a pooler whose output is NaN for one input.
 
 Each fails on a batch that carries the poison word (default "poison"), so a test knows the culprit; the runner
 can also fail every Nth batch (a transient fault, as the soak benchmark injects). The tokenizer can also hold
@@ -24,7 +24,7 @@ from wde.components.model_input_builder import PackedInputBuilder
 from wde.components.params import TorchRunnerParams
 from wde.components.models.bert import BertModel
 from wde.components.output_processor import EmbeddingOutputProcessor
-from wde.components.pooler import Pooled, SentencePooler, SentencePoolerParams
+from wde.components.pooler import Pooled, SentencePooler, SentencePoolerParams, segment_ids
 from wde.components.runner import TorchRunner
 from wde.components.scheduler import FCFSParams, FCFSScheduler, SchedulerOutput
 from wde.components.tokenizer import HFTokenizer, HFTokenizerParams
@@ -112,6 +112,30 @@ class FaultPooler(SentencePooler):
         return super().forward(hidden, batch)
 
 
+class NaNPoolerParams(SentencePoolerParams):
+    word: str = "nan"
+
+
+class NaNPooler(SentencePooler):
+    """A pooler whose rows are NaN for the sequences carrying the word (default "nan"): a model that gives a
+    non-finite output for one input, which must fail that request alone and never reach a response body."""
+
+    kind = "pooler"
+    name = "nan_sentence"
+    Params = NaNPoolerParams
+
+    def __init__(self, params: NaNPoolerParams, ctx: BuildContext) -> None:
+        super().__init__(params, ctx)
+        self._word = poison_id(ctx, params.word)
+
+    def forward(self, hidden: torch.Tensor, batch: ModelInput) -> Pooled:
+        out = super().forward(hidden, batch)
+        hit = torch.zeros(batch.num_seqs, dtype=torch.bool, device=hidden.device)
+        hit[segment_ids(batch)[batch.input_ids == self._word]] = True
+        out.rows = {k: torch.where(hit[:, None], float("nan"), v) for k, v in out.rows.items()}
+        return out
+
+
 class FaultRunnerParams(PoisonParams, TorchRunnerParams):
     fail_every: int = Field(0, ge=0, description="fail every Nth batch (a transient fault); 0: never")
 
@@ -190,7 +214,7 @@ class FaultScheduler(FCFSScheduler):
 
 
 FAULT_COMPONENTS = (FaultTokenizer, FaultBert, FaultPooler, FaultRunner, FaultScheduler, FaultInputBuilder,
-                    FaultOutputProcessor)
+                    FaultOutputProcessor, NaNPooler)
 
 
 def register() -> None:

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
+import torch
 
 from wde.components.base import COMPONENT_KINDS, BuildContext
 from wde.components.pooler import Pooled
 from wde.components.scheduler import SchedulerOutput
-from wde.errors import ModelLoadError, RequestError, internal_error
+from wde.errors import ModelLoadError, RequestError, internal_error, one_line
 from wde.model_source import ModelSource
 from wde.registry import Registry, get_registry
 from wde.request import PoolingParams, Request, RequestOutput
@@ -33,6 +34,55 @@ log = logging.getLogger("wde.engine")
 
 SOLO_ATTEMPTS = 2
 """Runs a request gets in a batch of its own before its failure is final (the first failure may be transient)."""
+
+
+PROBE_TEXT = "hello world, the load probe checks that this model gives finite outputs"
+PROBE_PAIR = ("hello", "world, the load probe checks that this model gives finite outputs")
+"""The input `Engine` runs once when it is built (a pair for workflows that score pairs), see `Engine._probe`;
+truncated to the workflow's max length (a pair's first text is kept whole: it is one word)."""
+
+
+class NonFiniteOutput(RuntimeError):
+    """A model or pooler produced NaN or infinity for a request; that request fails, its numbers are never sent."""
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Cheap test: one sum, which is NaN or infinite whenever any element is (a finite sum that overflows is a
+    false alarm the exact per-row test below clears)."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return True
+    return bool(torch.isfinite((t.float() if t.element_size() < 4 else t).sum()))
+
+
+def nonfinite_rows(pooled: Pooled) -> dict[int, str]:
+    """Index of each request (row) of a batch's pooled outputs holding a NaN or infinity → the name of the first
+    such output. Empty, at the cost of one sum per output tensor, when all is finite (the usual case)."""
+    bad: dict[int, str] = {}
+    for name, t in pooled.rows.items():
+        if not _all_finite(t):
+            rows = ~torch.isfinite(t).reshape(t.shape[0], -1).all(dim=1)
+            for i in rows.nonzero().flatten().tolist():
+                bad.setdefault(i, name)
+    for name, (flat, bounds) in pooled.ragged.items():
+        if not _all_finite(flat):
+            tokens = (~torch.isfinite(flat).reshape(flat.shape[0], -1).all(dim=1)).long()
+            seen = torch.cat([tokens.new_zeros(1), tokens.cumsum(0)])
+            b = torch.tensor(bounds, device=seen.device)
+            for i in ((seen[b[1:]] - seen[b[:-1]]) > 0).nonzero().flatten().tolist():
+                bad.setdefault(i, name)
+    return bad
+
+
+def select_rows(pooled: Pooled, keep: Sequence[int]) -> Pooled:
+    """The pooled outputs of requests `keep` (indices into the batch, in order) as those of a smaller batch."""
+    index = torch.tensor(list(keep), dtype=torch.long)
+    rows = {k: v[index.to(v.device)] for k, v in pooled.rows.items()}
+    ragged = {}
+    for k, (flat, b) in pooled.ragged.items():
+        parts = [flat[b[i]:b[i + 1]] for i in keep]
+        ragged[k] = (torch.cat(parts) if parts else flat[:0],
+                     list(itertools.accumulate((b[i + 1] - b[i] for i in keep), initial=0)))
+    return Pooled(rows, ragged)
 
 
 @dataclass(frozen=True)
@@ -116,6 +166,37 @@ class Engine:
         """Halves of failed batches, run before anything new until the culprit is alone (see `_failed`)."""
         self._failed_alone: dict[str, int] = {}
         """Request id → times it failed in a batch of its own (a request gets `SOLO_ATTEMPTS` tries)."""
+        try:
+            self._probe()
+        except BaseException:
+            self.close()
+            raise
+
+    def _probe(self) -> None:
+        """Run one short input (`PROBE_TEXT`, or `PROBE_PAIR` where the workflow scores pairs) through the
+        tokenizer, model and pooler, asking for every output, and refuse a model whose output is not finite:
+        weights whose header is intact but whose data is garbage, or a dtype the model overflows in."""
+        where = f"model folder {self.source.path}"
+        pairs = getattr(getattr(self.input_processor, "params", None), "pairs", None)
+        try:
+            request = self.make_request(PROBE_PAIR if pairs == "require" else PROBE_TEXT,
+                                        PoolingParams(truncate=True, outputs=self.supported_outputs), "wde-load-probe")
+            (ready,) = self.components["request_processor"].process([request], self.max_length)
+            if isinstance(ready, RequestError):
+                raise ready
+            pooled, _ = self.components["runner"].run(self.input_builder.build(SchedulerOutput([ready])))
+            bad = nonfinite_rows(pooled)
+        except Exception as e:  # noqa: BLE001 - a model that cannot run a short input is refused at start-up
+            log.debug("the load probe failed", exc_info=e)
+            raise ModelLoadError(f"{where}: the probe input run at load failed: {type(e).__name__}:"
+                                 f" {one_line(e)}") from None
+        if bad:
+            dtype = getattr(self.components["model"], "dtype", None)
+            overflow = (f", or the model overflows in {str(dtype).removeprefix('torch.')} (try --set"
+                        " model.params.dtype=float32)") if dtype in (torch.float16, torch.bfloat16) else ""
+            name = next(iter(bad.values()))
+            raise ModelLoadError(f"{where} gives NaN or infinite values (output {name!r}) for a short probe input run"
+                                 f" at load: its weights are corrupt{overflow}")
 
     @classmethod
     def from_workflow(
@@ -190,7 +271,9 @@ class Engine:
             batch, future = self._inflight.popleft()
             try:
                 pooled, seconds = future.result()
-                outputs = self.output_processor.process(batch, pooled, seconds)
+                served, pooled, outputs = self._drop_nonfinite(batch, pooled)
+                if served.scheduled:
+                    outputs += self.output_processor.process(served, pooled, seconds)
             except Exception as e:  # noqa: BLE001 - isolated by `_failed`
                 finished.extend(self._failed(batch, e, "model or output processor"))
             else:
@@ -200,6 +283,21 @@ class Engine:
                         self._failed_alone.pop(o.request_id, None)
                 self._report(BatchStats(len(batch.scheduled), batch.num_tokens, seconds))
         return finished
+
+    @staticmethod
+    def _drop_nonfinite(batch: SchedulerOutput, pooled: Pooled) -> tuple[SchedulerOutput, Pooled, list[RequestOutput]]:
+        """Fail each request whose pooled output holds a NaN or infinity (a 500 naming it, logged); the batch
+        and outputs of the others, unchanged in the usual case where every value is finite."""
+        bad = nonfinite_rows(pooled)
+        if not bad:
+            return batch, pooled, []
+        failed = []
+        for i, name in sorted(bad.items()):
+            rid = batch.scheduled[i].request.request_id
+            error = NonFiniteOutput(f"output {name!r} of the model holds NaN or infinite values")
+            failed.append(RequestOutput(rid, error=internal_error(rid, error, "model output")))
+        keep = [i for i in range(len(batch.scheduled)) if i not in bad]
+        return SchedulerOutput([batch.scheduled[i] for i in keep]), select_rows(pooled, keep), failed
 
     def _report(self, stats: BatchStats) -> None:
         if self.on_batch is None:

@@ -64,6 +64,11 @@ class ModelLoadError(ValueError):
     """A model folder is missing, incomplete, or not something the chosen workflow can serve."""
 
 
+def one_line(text: object) -> str:
+    """`text` on one line (whitespace runs, newlines included, become one space): a start-up error is one line."""
+    return " ".join(str(text).split())
+
+
 class RequestError(ValueError):
     """A request was rejected: the message names the field and the limit.
 

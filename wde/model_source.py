@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from wde.errors import ModelLoadError
+from wde.errors import ModelLoadError, one_line
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -68,12 +68,26 @@ class ModelSource:
 
     @cached_property
     def hf_config(self) -> Any:
+        """The Hugging Face config; a config.json that is not JSON, not an object, or that transformers refuses
+        (unknown model_type, a field of the wrong type) is a one-line `ModelLoadError` naming the file."""
         from transformers import AutoConfig
 
+        where = self.path / "config.json"
+        if where.is_file():
+            try:
+                parsed = json.loads(where.read_text(encoding="utf-8"))
+            except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+                raise ModelLoadError(f"{where} is not valid JSON: {one_line(e)}") from None
+            if not isinstance(parsed, dict):
+                raise ModelLoadError(f"{where} must hold a JSON object, not {type(parsed).__name__}")
         try:
             return AutoConfig.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
-        except ValueError as e:
-            raise ModelLoadError(f"cannot read {self.path / 'config.json'}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - OSError, ValueError, KeyError, TypeError, huggingface_hub's
+            # StrictDataclassError (a field of the wrong type), errors of remote code: all mean "bad config"
+            message = one_line(e)
+            if len(message) > 200 and ". " in message:  # transformers' "unknown model_type" goes on with advice
+                message = message[:message.index(". ") + 1]
+            raise ModelLoadError(f"cannot read {where}: {message}") from None
 
     @property
     def architectures(self) -> list[str]:
@@ -83,7 +97,10 @@ class ModelSource:
         """A JSON file inside the model folder, or None when absent (sentence-transformers side files)."""
         if relative not in self._json_cache:
             p = self.path / relative
-            self._json_cache[relative] = json.loads(p.read_text(encoding="utf-8")) if p.exists() else None
+            try:
+                self._json_cache[relative] = json.loads(p.read_text(encoding="utf-8")) if p.exists() else None
+            except (ValueError, OSError) as e:
+                raise ModelLoadError(f"{p} is not valid JSON: {one_line(e)}") from None
         return self._json_cache[relative]
 
     def st_module_path(self, module_type: str) -> Path | None:
@@ -107,14 +124,17 @@ class ModelSource:
         checkpoint's dtype. safetensors are read lazily, so a head loader skipping the encoder reads only its own."""
         for f in self.weight_files():
             if f.suffix == ".safetensors":
-                from safetensors import safe_open
+                from safetensors import SafetensorError, safe_open
 
-                with safe_open(str(f), framework="pt", device="cpu") as sf:
-                    for name in sf.keys():
-                        if keep is None or keep(name):
-                            yield name, sf.get_tensor(name)
+                try:
+                    with safe_open(str(f), framework="pt", device="cpu") as sf:
+                        for name in sf.keys():
+                            if keep is None or keep(name):
+                                yield name, sf.get_tensor(name)
+                except (SafetensorError, OSError, RuntimeError) as e:  # a truncated file, a garbage header
+                    raise ModelLoadError(f"{f} is truncated or corrupt: {one_line(e)}") from None
             else:
-                state = torch.load(str(f), map_location="cpu", weights_only=True)
+                state = _torch_load(f)
                 yield from ((n, t) for n, t in state.items() if keep is None or keep(n))
 
     def load_extra(self, filename: str) -> dict[str, torch.Tensor] | None:
@@ -122,4 +142,15 @@ class ModelSource:
         p = self.path / filename
         if not p.exists():
             return None
-        return torch.load(str(p), map_location="cpu", weights_only=True)
+        return _torch_load(p)
+
+
+def _torch_load(path: Path) -> Any:
+    """A pickled state dict (`weights_only`); a truncated or corrupt file is a one-line error naming it."""
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError (bad zip): all "unreadable"
+        raise ModelLoadError(f"cannot read {path} (truncated or corrupt?): {type(e).__name__}: {one_line(e)}") from None
+    if not isinstance(state, dict):
+        raise ModelLoadError(f"{path} does not hold a state dict (it holds a {type(state).__name__})")
+    return state

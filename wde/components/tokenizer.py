@@ -5,15 +5,21 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from pydantic import Field
 
 from wde.components.base import BuildContext, Component, Params
-from wde.errors import ModelLoadError
+from wde.errors import ModelLoadError, one_line
 from wde.request import PairPrompt, TextPrompt
 
 Encoded = tuple[list[int], list[int] | None]
+
+VOCAB_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "merges.txt", "sentencepiece.bpe.model", "spiece.model",
+               "spm.model", "sentencepiece.model", "tokenizer.model", "*.tiktoken")
+"""Files that hold a vocabulary (tokenizer_config.json and special_tokens_map.json do not). A folder with none of
+these, nor of the files its tokenizer class names, has no tokenizer: transformers would build an empty one."""
 
 
 class HFTokenizerParams(Params):
@@ -24,6 +30,8 @@ class HFTokenizerParams(Params):
     position_offset: int | None = Field(None, ge=0, description="index of position 0 in the model's position table"
                                         " (RoBERTa: pad_token_id + 1), which shortens the max length by as much;"
                                         " default: from the config's model_type")
+    path: str | None = Field(None, min_length=1, description="folder to load the tokenizer from when the model folder"
+                             " has no tokenizer files; default: the model folder")
 
 
 class HFTokenizer(Component):
@@ -45,13 +53,17 @@ class HFTokenizer(Component):
         super().__init__(params, ctx)
         from transformers import AutoTokenizer
 
+        folder = Path(params.path).expanduser() if params.path is not None else ctx.source.path
+        if not folder.is_dir():
+            raise ModelLoadError(f"tokenizer.params.path {params.path!r} is not a folder")
         try:
             self._tok = AutoTokenizer.from_pretrained(
-                ctx.source.path, trust_remote_code=ctx.source.trust_remote_code, use_fast=True
+                folder, trust_remote_code=ctx.source.trust_remote_code, use_fast=True
             )
         except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot load the tokenizer from {ctx.source.path}: {e}") from None
+            raise ModelLoadError(f"cannot load the tokenizer from {folder}: {one_line(e)}") from None
         cfg = ctx.source.hf_config
+        self._check_vocabulary(folder, cfg)
         limits = [params.max_length]
         st = ctx.source.read_json("sentence_bert_config.json") or {}
         limits.append(st.get("max_seq_length"))
@@ -70,6 +82,25 @@ class HFTokenizer(Component):
         self._local = threading.local()
         self._copy_lock = threading.Lock()
         self._original_taken = False
+
+    def _check_vocabulary(self, folder: Path, cfg: object) -> None:
+        """Refuse a folder without tokenizer files (transformers 5 then builds a 5-token vocabulary and every
+        word becomes the unknown token) and a tokenizer with more tokens than the model has embeddings."""
+        names = {*VOCAB_FILES, *(n for n in getattr(type(self._tok), "vocab_files_names", {}).values()
+                                 if isinstance(n, str))}
+        if not any(next(folder.glob(n), None) is not None for n in names):
+            fix = "add them" if self.params.path is not None else (
+                "copy the model's tokenizer files into it, or set tokenizer.params.path to a folder that has them")
+            raise ModelLoadError(f"{folder} has no tokenizer files (tokenizer.json, or a vocabulary such as vocab.txt,"
+                                 f" sentencepiece.bpe.model, spiece.model, vocab.json + merges.txt): {fix}")
+        vocab_size = getattr(cfg, "vocab_size", None)
+        if not isinstance(vocab_size, int) and hasattr(cfg, "get_text_config"):
+            vocab_size = getattr(cfg.get_text_config(), "vocab_size", None)
+        if isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and len(self._tok) > vocab_size:
+            raise ModelLoadError(
+                f"the tokenizer in {folder} has {len(self._tok)} tokens but the model's config.json says vocab_size"
+                f" {vocab_size}: ids from {vocab_size} on have no embedding; the tokenizer files belong to another"
+                " model")
 
     def _hf(self) -> Any:
         """This thread's tokenizer: the loaded one for the first thread that asks, a copy for each other."""

@@ -97,6 +97,10 @@ def _await_ready(core: BaseProcess, ready: Connection, stopping: list[int]) -> E
                 status, value = ready.recv()
                 if status == "ready":
                     return value
+                if status == "refused":  # a broken model folder: one line, as `wde serve` without API servers
+                    from wde.errors import ModelLoadError
+
+                    raise ModelLoadError(value)
                 log.critical("the engine core failed to start: %s", value)
                 return None
             log.critical("the engine core exited while loading (exit code %s)", core.exitcode)
@@ -169,6 +173,7 @@ def _core_main(config: ServerConfig, address: str, ready: Connection) -> None:
     from wde.core.engine_core import EngineCore, stop_on_sigterm
     from wde.engine import Engine
     from wde.engine_info import EngineInfo
+    from wde.errors import ModelLoadError
     from wde.server.app import _log_to_stderr
     from wde.server.metrics import ServerMetrics
 
@@ -176,6 +181,9 @@ def _core_main(config: ServerConfig, address: str, ready: Connection) -> None:
     _log_to_stderr()
     try:
         engine = Engine.from_workflow(**config.engine_args())
+    except ModelLoadError as e:  # the launcher raises it again: `wde serve` prints it and exits 1
+        ready.send(("refused", str(e)))
+        raise SystemExit(1) from None
     except Exception as e:  # noqa: BLE001 - reported to the launcher, which exits non-zero
         ready.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from None
