@@ -9,6 +9,9 @@ grid being sized by the longest sequence.
 An optional additive bias (e.g. T5's relative position bias) is read per tile from a `[heads, L, L]` tensor
 shared by all sequences or a `[num_seqs, heads, L, L]` one (positions counted within each sequence) and added
 to the scaled scores before the online softmax.
+
+An optional local-attention window (left, right) limits each query to the keys within `left` before and `right`
+after it: a program streams only the key blocks its rows can reach, so the work is O(length x window).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ def _varlen_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_bs, stride_bh, stride_bm, stride_bn,
-    qk_scale, head_dim, group,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    qk_scale, head_dim, group, win_left, win_right,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0)
@@ -69,7 +73,11 @@ def _varlen_fwd_kernel(
     end_n = seq_len
     if CAUSAL:
         end_n = tl.minimum(seq_len, (start_m + 1) * BLOCK_M)
-    for start_n in range(0, end_n, BLOCK_N):
+    begin_n = 0
+    if HAS_WINDOW:
+        end_n = tl.minimum(end_n, (start_m + 1) * BLOCK_M + win_right)
+        begin_n = tl.maximum(start_m * BLOCK_M - win_left, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(begin_n, end_n, BLOCK_N):
         cols = start_n + offs_n
         n_valid = cols < seq_len
         k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None],
@@ -84,6 +92,8 @@ def _varlen_fwd_kernel(
         keep = n_valid[None, :]
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
+        if HAS_WINDOW:
+            keep = keep & (cols[None, :] >= offs_m[:, None] - win_left) & (cols[None, :] <= offs_m[:, None] + win_right)
         s = tl.where(keep, s, float("-inf"))
         # Rows past seq_len see no valid key; a finite floor keeps their exp2 at 0 instead of NaN.
         m_new = tl.maximum(tl.maximum(m_i, tl.max(s, 1)), -1e30)
@@ -135,11 +145,12 @@ def _check_bias(bias: torch.Tensor, q: torch.Tensor, num_seqs: int, max_seqlen: 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                      max_seqlen: int, causal: bool, scale: float | None = None,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> torch.Tensor:
     """Attention of packed q [T, Hq, D] over k/v [T, Hkv, D]; returns [T, Hq, D] in q's dtype.
 
     `bias`, if given, is added to the scaled scores: `[Hq, L, L]` shared by every sequence or
-    `[num_seqs, Hq, L, L]`, with L >= max_seqlen and positions counted within each sequence.
+    `[num_seqs, Hq, L, L]`, with L >= max_seqlen and positions counted within each sequence. `window`, if given,
+    is (left, right): the query at position i attends only the keys at i - left .. i + right.
 
     Inputs may be strided views (e.g. slices of a fused qkv projection) as long as the last dim is contiguous.
     fp32 inputs use IEEE-precision dots (no TF32) so results match a float32 reference. Triton's interpreter
@@ -157,6 +168,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         strides = (bias.stride(0) if bias.dim() == 4 else 0, *bias.stride()[-3:])
     else:
         strides = (0, 0, 0, 0)
+    if window is not None and (len(window) != 2 or min(window) < 0):
+        raise ValueError(f"window must be (left, right) with both >= 0, got {window!r}")
     scale = d ** -0.5 if scale is None else scale
     block = max(16, min(64, triton.next_power_of_2(max_seqlen)))
     upcast = INTERPRETED and q.dtype == torch.bfloat16
@@ -168,8 +181,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         q, k, v, out, cu_seqlens, q if bias is None else bias,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         *strides,
-        scale * LOG2E, d, hq // k.shape[1],
-        CAUSAL=bool(causal), HAS_BIAS=bias is not None, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+        scale * LOG2E, d, hq // k.shape[1], *(window or (0, 0)),
+        CAUSAL=bool(causal), HAS_BIAS=bias is not None, HAS_WINDOW=window is not None, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
         BLOCK_M=block, BLOCK_N=min(block, block_n), BLOCK_D=block_d,
         num_warps=4 if block_d <= 64 else 8,
     )

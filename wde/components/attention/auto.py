@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from wde.components.attention.base import AttentionBackend, AttentionMetadata, AttentionParams
+from wde.components.attention.base import AttentionBackend, AttentionMetadata, AttentionParams, Window
 from wde.components.attention.cpu_varlen import CpuVarlenBackend, prefer_varlen
-from wde.components.attention.torch_sdpa import TorchSDPABackend
+from wde.components.attention.torch_sdpa import TorchSDPABackend, covering
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
 
@@ -21,6 +21,7 @@ from wde.components.model_input_builder import ModelInput
 class AutoBackend(AttentionBackend):
     name = "auto"
     supports_bias = True  # a biased batch goes to torch_sdpa (CPU) or triton_varlen (CUDA), which take one
+    supports_window = True  # every backend it picks from takes a window
 
     def __init__(self, params: AttentionParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
@@ -32,14 +33,16 @@ class AutoBackend(AttentionBackend):
 
             self._cuda = TritonVarlenBackend(params, ctx)
 
-    def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None) -> AttentionMetadata:
+    def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None,
+                       window: Window | None = None) -> AttentionMetadata:
         if batch.input_ids.is_cuda:
             backend = self._cuda
-        else:  # cpu_varlen takes no bias: a biased batch stays on torch_sdpa
-            backend = self._cpu_varlen if bias is None and prefer_varlen(batch.seq_lens) else self._cpu
-        meta = backend.build_metadata(batch, causal, bias)
+        else:  # cpu_varlen takes no bias: a biased batch stays on torch_sdpa; a window costs it no mask
+            varlen = prefer_varlen(batch.seq_lens) or (window is not None and covering(window, batch.max_seqlen))
+            backend = self._cpu_varlen if bias is None and varlen else self._cpu
+        meta = backend.build_metadata(batch, causal, bias, window)
         return AttentionMetadata(meta.cu_seqlens, meta.seq_lens, meta.max_seqlen, meta.causal, (backend, meta),
-                                 bias=bias)
+                                 bias=bias, window=window, positions=batch.positions)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -17,7 +17,9 @@ class AttentionMetadata:
     """Per-batch data a backend needs, built once per forward and shared by every layer.
 
     `bias`, when set, is an additive attention bias (see `check_bias`); only a backend whose class sets
-    `supports_bias = True` is ever handed one.
+    `supports_bias = True` is ever handed one. `window`, when set, is local attention (see `check_window`); only a
+    backend with `supports_window = True` is handed one. A model whose layers differ (local and global layers)
+    builds one metadata per distinct kind, once per batch (`PrefillModel.attention_metadata`).
     """
 
     cu_seqlens: torch.Tensor
@@ -26,6 +28,41 @@ class AttentionMetadata:
     causal: bool
     extra: Any = None
     bias: torch.Tensor | None = None
+    window: tuple[int, int] | None = None
+    positions: torch.Tensor | None = None
+    """Each packed token's position within its sequence (the batch's `positions`), for rotary embeddings."""
+    memo: dict = field(default_factory=dict, repr=False)
+    """Values layers compute once per batch and share (e.g. rotary cos/sin); see `cached`."""
+
+    def cached(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """`compute()` the first time `key` is asked for in this batch, the same value after that."""
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
+
+
+Window = tuple[int, int]
+"""Local attention as (left, right): the query at position i attends the keys at positions i - left .. i + right
+of its own sequence (both ends included). With `causal`, keys after i stay masked whatever `right` says."""
+
+
+def check_window(window: Window) -> None:
+    """Validate a local-attention window (see `Window`)."""
+    if (not isinstance(window, tuple) or len(window) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)):
+        raise ValueError(f"attention window must be (left, right) with two integers >= 0, got {window!r}")
+
+
+def window_keys(n: int, window: Window | None, causal: bool, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean [n, n]: which key j the query i of an n-token sequence may attend (the window and the causal mask)."""
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    keep = torch.ones(n, n, dtype=torch.bool, device=device)
+    if window is not None:
+        keep = (j >= i - window[0]) & (j <= i + window[1])
+    if causal:
+        keep = keep & (j <= i)
+    return keep
 
 
 def check_bias(bias: torch.Tensor, num_seqs: int, max_seqlen: int) -> None:
@@ -59,6 +96,8 @@ class AttentionBackend(Component):
     """Whether `build_metadata` accepts an additive `bias` (see `check_bias`). A backend that leaves it False is
     never given one: models that need a bias refuse to build with it, and `auto` must not route a biased batch
     to it."""
+    supports_window: ClassVar[bool] = False
+    """Whether `build_metadata` accepts a local-attention `window` (see `Window`), under the same rules."""
 
     def __init__(self, params: AttentionParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
@@ -81,13 +120,20 @@ class AttentionBackend(Component):
             return self._config_causal
         return model_default
 
-    def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None) -> AttentionMetadata:
-        """The batch's metadata, built once per forward. `bias` is passed only to backends with `supports_bias`."""
+    def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None,
+                       window: Window | None = None) -> AttentionMetadata:
+        """The batch's metadata, built once per forward (per layer kind). `bias` is passed only to backends with
+        `supports_bias`, `window` only to backends with `supports_window`."""
         if bias is not None:
             if not self.supports_bias:
                 raise ValueError(f"attention backend {self.name!r} does not support an attention bias")
             check_bias(bias, batch.num_seqs, batch.max_seqlen)
-        return AttentionMetadata(batch.cu_seqlens, batch.seq_lens, batch.max_seqlen, causal, bias=bias)
+        if window is not None:
+            if not self.supports_window:
+                raise ValueError(f"attention backend {self.name!r} does not support local (windowed) attention")
+            check_window(window)
+        return AttentionMetadata(batch.cu_seqlens, batch.seq_lens, batch.max_seqlen, causal, bias=bias, window=window,
+                                 positions=batch.positions)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

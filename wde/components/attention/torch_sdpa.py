@@ -8,7 +8,9 @@ packed tokens. A group whose sequences all have one length needs no mask, and th
 
 An additive bias (`AttentionMetadata.bias`) becomes each group's float mask, built once per batch: the bias
 sliced to the group's length (gathered per sequence when it is per-sequence), with padded keys and, when
-causal, future keys set to -inf.
+causal, future keys set to -inf. A local-attention window (`AttentionMetadata.window`) is a boolean mask of the
+group's length, built once per batch and layer kind (SDPA takes no window; `cpu_varlen` computes only the keys in
+the window).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from wde.components.attention.base import AttentionBackend, AttentionMetadata
+from wde.components.attention.base import AttentionBackend, AttentionMetadata, Window, window_keys
 from wde.components.model_input_builder import ModelInput
 
 _MAX_WASTE = 1.25
@@ -53,30 +55,35 @@ def _plan_groups(seq_lens: list[int]) -> list[list[int]]:
     return groups
 
 
-def _bias_mask(bias: torch.Tensor, members: list[int], lmax: int, key_valid: torch.Tensor | None,
-               causal: bool) -> torch.Tensor:
-    """A group's float mask [n or 1, heads, lmax, lmax]: the bias, -inf on padded (and, causal, future) keys."""
+def _bias_mask(bias: torch.Tensor, members: list[int], lmax: int, keep: torch.Tensor | None) -> torch.Tensor:
+    """A group's float mask [n or 1, heads, lmax, lmax]: the bias, -inf where `keep` says a key is not attended."""
     if bias.dim() == 4:
         mask = bias.index_select(0, torch.tensor(members, device=bias.device))[:, :, :lmax, :lmax]
     else:
         mask = bias[None, :, :lmax, :lmax]
-    keep = key_valid
-    if causal:
-        tril = torch.ones(lmax, lmax, dtype=torch.bool, device=bias.device).tril()[None, None]
-        keep = tril if keep is None else keep & tril
     if keep is not None:
         mask = mask.masked_fill(~keep, float("-inf"))
     return mask.contiguous()
 
 
+def covering(window: Window | None, max_seqlen: int) -> Window | None:
+    """`window`, or None when it spans every sequence of the batch (then it changes nothing)."""
+    if window is None or min(window) >= max_seqlen - 1:
+        return None
+    return window
+
+
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
     supports_bias = True
+    supports_window = True
 
-    def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None) -> AttentionMetadata:
-        meta = super().build_metadata(batch, causal, bias)
+    def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None,
+                       window: Window | None = None) -> AttentionMetadata:
+        meta = super().build_metadata(batch, causal, bias, window)
         lens = batch.seq_lens
-        if bias is None and all(length == batch.max_seqlen for length in lens):
+        window = covering(window, batch.max_seqlen)
+        if bias is None and window is None and all(length == batch.max_seqlen for length in lens):
             meta.extra = None
             return meta
         starts = batch.cu_seqlens.tolist()
@@ -92,13 +99,16 @@ class TorchSDPABackend(AttentionBackend):
                 valid.extend(range(slot * lmax, slot * lmax + lens[i]))
             g_lens = torch.tensor([lens[i] for i in members], device=device)
             padded = any(lens[i] != lmax for i in members)
-            mask = None
+            keep = None  # [n or 1, 1, lmax (queries) or 1, lmax (keys)]: which keys each query attends
             if padded:
-                mask = (torch.arange(lmax, device=device)[None, :] < g_lens[:, None])[:, None, None, :]
-            if bias is not None:
-                mask = _bias_mask(bias, members, lmax, mask, causal)
-            elif padded and causal:
-                mask = mask & torch.ones(lmax, lmax, dtype=torch.bool, device=device).tril()[None, None]
+                keep = (torch.arange(lmax, device=device)[None, :] < g_lens[:, None])[:, None, None, :]
+            if window is not None or (causal and (padded or bias is not None)):
+                local = window_keys(lmax, window, causal, device)[None, None]
+                keep = local if keep is None else keep & local
+                if padded:  # a padded query row keeps every real key: no all-masked row (its output is dropped)
+                    pad_rows = (torch.arange(lmax, device=device)[None, :] >= g_lens[:, None])[:, None, :, None]
+                    keep = keep | (pad_rows & (torch.arange(lmax, device=device) < g_lens[:, None])[:, None, None, :])
+            mask = _bias_mask(bias, members, lmax, keep) if bias is not None else keep
             groups.append(_Group(len(members), lmax, torch.tensor(gather, device=device),
                                  torch.tensor(valid, device=device) if padded else None, mask))
             token_order.append(torch.tensor([t for i in members for t in range(starts[i], starts[i] + lens[i])]))

@@ -27,6 +27,7 @@ HOW_TO_FIX = ("use attention: {name: torch_sdpa}, or set TRITON_INTERPRET=1 in t
 class TritonVarlenBackend(AttentionBackend):
     name = "triton_varlen"
     supports_bias = True
+    supports_window = True
 
     def __init__(self, params: AttentionParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
@@ -39,4 +40,4 @@ class TritonVarlenBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         return self._kernels.varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal, scale,
-                                              bias=meta.bias)
+                                              bias=meta.bias, window=meta.window)

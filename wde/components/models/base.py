@@ -8,7 +8,7 @@ from typing import ClassVar, Iterator, Mapping
 import torch
 from torch import nn
 
-from wde.components.attention.base import AttentionBackend, AttentionMetadata
+from wde.components.attention.base import AttentionBackend, AttentionMetadata, Window
 from wde.components.base import BuildContext, Component, Params
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.cpu_linear import pack_linears, resolve_cpu_linear
@@ -56,7 +56,8 @@ class PrefillModel(nn.Module, Component):
     checkpoint projections (q, k, v) onto one fused parameter and its shard, and `default_causal` is the
     attention mask the family uses when neither the workflow nor the config says otherwise.
     `uses_attention_bias` says the model passes an additive bias to its attention backend, so the model refuses
-    to build with a backend that lacks `supports_bias`.
+    to build with a backend that lacks `supports_bias`; `uses_attention_window` likewise for local attention
+    windows and `supports_window`.
 
     Set before `build` runs: `config` (the Hugging Face config), `device`, `dtype`, `causal`, `attn_backend`,
     `mixed_precision` (then everything but the `nn.Linear` layers is moved to float32 before loading).
@@ -69,6 +70,7 @@ class PrefillModel(nn.Module, Component):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {}
     default_causal: ClassVar[bool] = False
     uses_attention_bias: ClassVar[bool] = False
+    uses_attention_window: ClassVar[bool] = False
 
     def __init__(self, params: ModelParams, ctx: BuildContext) -> None:
         nn.Module.__init__(self)
@@ -84,6 +86,10 @@ class PrefillModel(nn.Module, Component):
             raise ModelLoadError(
                 f"model {self.name!r} adds an attention bias, which attention {self.attn_backend.name!r} does not"
                 " support; use attention: {name: torch_sdpa} or {name: triton_varlen}")
+        if self.uses_attention_window and not self.attn_backend.supports_window:
+            raise ModelLoadError(
+                f"model {self.name!r} uses local (windowed) attention, which attention {self.attn_backend.name!r}"
+                " does not support; use attention: {name: auto}, torch_sdpa, cpu_varlen or triton_varlen")
         self.causal = self.attn_backend.resolve_causal(self.default_causal)
         self.mixed_precision = resolve_mixed_precision(params.mixed_precision, self.device, self.dtype)
         """Linear layers in `dtype`, everything else in float32 (wde/components/models/mixed_precision.py)."""
@@ -133,12 +139,17 @@ class PrefillModel(nn.Module, Component):
                 f" {table} positions from offset {offset}; set tokenizer.params.max_length <= {table - offset}"
                 f" (or tokenizer.params.position_offset: {offset})")
 
-    def attention_metadata(self, batch: ModelInput, bias: torch.Tensor | None = None) -> AttentionMetadata:
-        """The batch's attention metadata (built once per forward, shared by every layer), with this model's
-        causal setting and an optional additive bias (see `wde.components.attention.base.check_bias`)."""
-        if bias is None:
-            return self.attn_backend.build_metadata(batch, self.causal)
-        return self.attn_backend.build_metadata(batch, self.causal, bias=bias)
+    def attention_metadata(self, batch: ModelInput, bias: torch.Tensor | None = None,
+                           window: Window | None = None) -> AttentionMetadata:
+        """The batch's attention metadata (built once per forward and layer kind, shared by the layers of that
+        kind), with this model's causal setting, an optional additive bias (see `check_bias`) and an optional
+        local-attention window (see `Window`)."""
+        kwargs: dict = {}
+        if bias is not None:
+            kwargs["bias"] = bias
+        if window is not None:
+            kwargs["window"] = window
+        return self.attn_backend.build_metadata(batch, self.causal, **kwargs)
 
     def build(self, config: object) -> None:
         raise NotImplementedError

@@ -6,13 +6,14 @@ Parameter names follow the Hugging Face checkpoint, except that query/key/value 
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from wde.components.attention.base import AttentionBackend, AttentionMetadata
+from wde.components.attention.base import AttentionBackend, AttentionMetadata, Window
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.base import PrefillModel
 from wde.components.models.decoder_layers import RMSNorm
@@ -28,10 +29,11 @@ class BertEmbeddings(nn.Module):
     :param positions: add absolute position embeddings (off for rotary or relative-position models).
     :param token_types: add token type embeddings (row 0 when the batch has none).
     :param layer_norm: finish with LayerNorm (`cfg.layer_norm_eps`); off for pre-norm models.
+    :param norm_bias: whether that LayerNorm has a bias (ModernBERT's have none).
     """
 
     def __init__(self, cfg: object, position_offset: int = 0, *, positions: bool = True, token_types: bool = True,
-                 layer_norm: bool = True) -> None:
+                 layer_norm: bool = True, norm_bias: bool = True) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         if positions:
@@ -39,7 +41,7 @@ class BertEmbeddings(nn.Module):
         if token_types:
             self.token_type_embeddings = nn.Embedding(max(cfg.type_vocab_size, 1), cfg.hidden_size)
         if layer_norm:
-            self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+            self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, bias=norm_bias)
         self.position_offset = position_offset
 
     def forward(self, batch: ModelInput) -> torch.Tensor:
@@ -55,13 +57,15 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfOutput(nn.Module):
-    """`dense(x) + residual`, then LayerNorm when `norm` (BERT's post-norm); `norm=False` for pre-norm blocks."""
+    """`dense(x) + residual`, then LayerNorm when `norm` (BERT's post-norm); `norm=False` for pre-norm blocks.
+    `norm_bias=False`: a LayerNorm without bias."""
 
-    def __init__(self, cfg: object, in_features: int, *, bias: bool = True, norm: bool = True) -> None:
+    def __init__(self, cfg: object, in_features: int, *, bias: bool = True, norm: bool = True,
+                 norm_bias: bool = True) -> None:
         super().__init__()
         self.dense = nn.Linear(in_features, cfg.hidden_size, bias=bias)
         if norm:
-            self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+            self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, bias=norm_bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "LayerNorm"):
@@ -76,23 +80,39 @@ class BertAttention(nn.Module):
     :param head_dim: per-head width; default `hidden_size // num_attention_heads` (T5: `d_kv`).
     :param scale: score scale; default `head_dim ** -0.5` (T5: 1.0).
     :param post_norm: add the residual and LayerNorm (BERT); False: only add the residual (pre-norm blocks).
+    :param rotary: rotary position embeddings applied to q and k: a module called as `rotary(positions, dtype)`
+        giving (cos, sin) (computed once per batch and module, see `AttentionMetadata.cached`) with an
+        `apply(x, cos, sin)` method (e.g. `wde.api.RotaryEmbedding`); None for absolute or relative positions.
+    :param qk_transform: any other change of q and k before attention, called as `qk_transform(q, k, meta)`
+        and returning (q, k), e.g. per-head norms.
     """
 
     def __init__(self, cfg: object, backend: AttentionBackend, *, bias: bool = True, head_dim: int | None = None,
-                 scale: float | None = None, post_norm: bool = True) -> None:
+                 scale: float | None = None, post_norm: bool = True, norm_bias: bool = True,
+                 rotary: nn.Module | None = None,
+                 qk_transform: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata],
+                                        tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.head_dim = head_dim or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5 if scale is None else scale
         inner = self.num_heads * self.head_dim
         self.qkv = fused_linear(cfg.hidden_size, [inner] * 3, bias=bias)
-        self.output = BertSelfOutput(cfg, inner, bias=bias, norm=post_norm)
+        self.output = BertSelfOutput(cfg, inner, bias=bias, norm=post_norm, norm_bias=norm_bias)
         self.backend = backend
+        self.rotary = rotary
+        self.qk_transform = qk_transform
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Attention over `x` plus `residual` (default: `x` itself)."""
         q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-        attn = self.backend.forward(q, k, v, meta, self.scale)
+        if self.rotary is not None:
+            rotary = self.rotary
+            cos, sin = meta.cached(("rotary", id(rotary), x.dtype), lambda: rotary(meta.positions, x.dtype))
+            q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+        if self.qk_transform is not None:
+            q, k = self.qk_transform(q, k, meta)
+        attn = self.backend.forward(q.to(v.dtype), k.to(v.dtype), v, meta, self.scale)
         return self.output(attn.reshape(x.shape[0], -1), x if residual is None else residual)
 
 
@@ -125,18 +145,23 @@ class BertLayer(nn.Module):
 
     Post-norm (BERT, default): LayerNorm after each residual add. With `pre_norm_eps` (T5-style): RMSNorm
     (`attention_norm`, `mlp_norm`) before attention and MLP, no norm after. The other keyword arguments go to
-    `BertAttention` (`bias`, `head_dim`, `scale`) and `BertIntermediate` (`bias`, `intermediate_size`, `act`,
-    `gated`).
+    `BertAttention` (`bias`, `head_dim`, `scale`, `rotary`, `qk_transform`), `BertIntermediate` (`bias`,
+    `intermediate_size`, `act`, `gated`) and the LayerNorms (`norm_bias`). `window` makes it a local-attention
+    layer (see `wde.api.Window`): the model builds one attention metadata per distinct `attention_window` of its
+    layers, once per batch.
     """
 
     def __init__(self, cfg: object, backend: AttentionBackend, *, bias: bool = True, head_dim: int | None = None,
                  scale: float | None = None, intermediate_size: int | None = None, act: str | None = None,
-                 gated: bool = False, pre_norm_eps: float | None = None) -> None:
+                 gated: bool = False, pre_norm_eps: float | None = None, norm_bias: bool = True,
+                 rotary: nn.Module | None = None, window: Window | None = None) -> None:
         super().__init__()
         post_norm = pre_norm_eps is None
-        self.attention = BertAttention(cfg, backend, bias=bias, head_dim=head_dim, scale=scale, post_norm=post_norm)
+        self.attention = BertAttention(cfg, backend, bias=bias, head_dim=head_dim, scale=scale, post_norm=post_norm,
+                                       norm_bias=norm_bias, rotary=rotary)
         self.intermediate = BertIntermediate(cfg, bias=bias, size=intermediate_size, act=act, gated=gated)
-        self.output = BertSelfOutput(cfg, self.intermediate.size, bias=bias, norm=post_norm)
+        self.output = BertSelfOutput(cfg, self.intermediate.size, bias=bias, norm=post_norm, norm_bias=norm_bias)
+        self.attention_window = window
         if not post_norm:
             self.attention_norm = RMSNorm(cfg.hidden_size, pre_norm_eps)
             self.mlp_norm = RMSNorm(cfg.hidden_size, pre_norm_eps)
@@ -150,20 +175,34 @@ class BertLayer(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    """`cfg.num_hidden_layers` layers made by `make_layer` (default: `BertLayer(cfg, backend)`)."""
+    """`cfg.num_hidden_layers` layers made by `make_layer(index)` (or `make_layer()`; default:
+    `BertLayer(cfg, backend)`)."""
 
     def __init__(self, cfg: object, backend: AttentionBackend,
-                 make_layer: Callable[[], nn.Module] | None = None) -> None:
+                 make_layer: Callable[[int], nn.Module] | Callable[[], nn.Module] | None = None) -> None:
         super().__init__()
-        make_layer = make_layer or (lambda: BertLayer(cfg, backend))
-        self.layer = nn.ModuleList(make_layer() for _ in range(cfg.num_hidden_layers))
+        make_layer = make_layer or (lambda i: BertLayer(cfg, backend))
+        with_index = _takes_args(make_layer, 1)
+        self.layer = nn.ModuleList(make_layer(i) if with_index else make_layer()  # type: ignore[call-arg]
+                                   for i in range(cfg.num_hidden_layers))
+
+
+def _takes_args(fn: Callable, n: int) -> bool:
+    """Whether `fn` can be called with `n` positional arguments (hooks written before an argument was added)."""
+    try:
+        inspect.signature(fn).bind(*range(n))
+    except TypeError:
+        return False
+    return True
 
 
 class BertModel(PrefillModel):
     """Bidirectional BERT encoder; returns the last hidden states of every packed token.
 
-    Subclasses change one part through the hooks: `build_embeddings`, `build_layer`, `attention_bias` (per batch,
-    computed once and shared by every layer) and `final_norm`; `forward` stays the same loop.
+    Subclasses change one part through the hooks: `build_embeddings`, `build_layer(cfg, index)`, `attention_bias`
+    (per batch, computed once and shared by every layer) and `final_norm`; `forward` stays the same loop. Layers
+    with an `attention_window` (local attention) get the metadata of their window, built once per batch and
+    window; a model with such layers sets `uses_attention_window = True`.
     """
 
     name = "bert"
@@ -177,7 +216,9 @@ class BertModel(PrefillModel):
 
     def build(self, cfg: object) -> None:
         self.embeddings = self.build_embeddings(cfg)
-        self.encoder = BertEncoder(cfg, self.attn_backend, lambda: self.build_layer(cfg))
+        with_index = _takes_args(self.build_layer, 2)
+        self.encoder = BertEncoder(cfg, self.attn_backend,
+                                   lambda i: self.build_layer(cfg, i) if with_index else self.build_layer(cfg))
 
     def build_embeddings(self, cfg: object) -> nn.Module:
         """The module mapping a `ModelInput` to the first hidden states [tokens, hidden]."""
@@ -186,8 +227,8 @@ class BertModel(PrefillModel):
             raise ModelLoadError(f"{type(self).__name__} supports absolute position embeddings only, config has {kind!r}")
         return BertEmbeddings(cfg, self.position_offset_for(cfg))
 
-    def build_layer(self, cfg: object) -> nn.Module:
-        """One layer: a module called as `layer(hidden, meta)`."""
+    def build_layer(self, cfg: object, index: int = 0) -> nn.Module:
+        """Layer `index`: a module called as `layer(hidden, meta)`, with an optional `attention_window`."""
         return BertLayer(cfg, self.attn_backend)
 
     def position_offset_for(self, cfg: object) -> int:
@@ -205,10 +246,12 @@ class BertModel(PrefillModel):
         return x
 
     def forward(self, batch: ModelInput) -> torch.Tensor:
-        meta = self.attention_metadata(batch, self.attention_bias(batch))
+        bias = self.attention_bias(batch)
+        windows = [getattr(layer, "attention_window", None) for layer in self.encoder.layer]
+        metas = {w: self.attention_metadata(batch, bias, w) for w in dict.fromkeys(windows)}
         x = self.embeddings(batch)
-        for layer in self.encoder.layer:
-            x = layer(x, meta)
+        for layer, window in zip(self.encoder.layer, windows):
+            x = layer(x, metas[window])
         return self.final_norm(x)
 
 
