@@ -180,12 +180,21 @@ def st_pooling_mode(cfg: dict, where: str) -> PoolingMode:
     return st.modes[0]
 
 
+TOKENS = "token_embeddings"
+"""Per-token final hidden states (TEI's /embed_all, sentence-transformers' output_value="token_embeddings")."""
+
+
 class SentencePooler(Component):
     """sentence-transformers' pipeline after the Transformer, read from the model folder's `modules.json`:
     Pooling (CLS, mean, max, last token, weighted mean, mean/sqrt(len), concatenations, with or without the
     prompt's tokens), then its Dense / LayerNorm / Dropout / Normalize modules in order (output 'dense'); or
     all-token states (`pooling: all`, output 'token_embeddings'). Every module runs here, on the device, in the
-    same pass as the model; a module it does not implement is refused when the model is loaded."""
+    same pass as the model; a module it does not implement is refused when the model is loaded.
+
+    With a pooling mode other than `all`, a request whose `PoolingParams.outputs` names 'token_embeddings' also
+    gets its tokens' final hidden states (special tokens included, raw unless the request sets `normalize=True`;
+    TEI's /embed_all). Batches in which nobody asks cost nothing extra; a request that did not ask, batched with
+    one that did, gets an empty [0, hidden] `token_embeddings`."""
 
     kind = "pooler"
     name = "sentence"
@@ -221,7 +230,7 @@ class SentencePooler(Component):
             self.normalize = normalize_last
         else:
             self.normalize = bool(params.normalize)
-        self.outputs = ("token_embeddings",) if self.mode == "all" else ("dense",)
+        self.outputs: tuple[str, ...] = (TOKENS,) if self.mode == "all" else ("dense", TOKENS)
         self.dense_size = None if self.mode == "all" else width
 
     @staticmethod
@@ -252,5 +261,29 @@ class SentencePooler(Component):
             if any(norms):
                 per_token = torch.tensor(norms, device=x.device)[segment_ids(batch)][:, None]
                 x = torch.where(per_token, l2_normalize(x), x)
-            return Pooled(ragged={"token_embeddings": (x, batch.cu_seqlens.tolist())})
-        return Pooled(rows={"dense": finish_embeddings(self.embed(hidden, batch), batch, self.normalize)})
+            return Pooled(ragged={TOKENS: (x, batch.cu_seqlens.tolist())})
+        pooled = Pooled(rows={"dense": finish_embeddings(self.embed(hidden, batch), batch, self.normalize)})
+        wanted = [p.outputs is not None and TOKENS in p.outputs for p in batch.pooling_params]
+        if any(wanted):
+            pooled.ragged[TOKENS] = token_states(hidden, batch, wanted)
+        return pooled
+
+
+def token_states(hidden: torch.Tensor, batch: ModelInput, wanted: list[bool]) -> tuple[torch.Tensor, list[int]]:
+    """The final hidden states of the tokens of the requests that asked (`wanted[i]`), float32, raw unless the
+    request set `normalize=True`; the other requests own an empty range."""
+    lens = [n if w else 0 for n, w in zip(batch.seq_lens, wanted)]
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    if all(wanted):
+        x = hidden.float()
+    else:
+        keep = torch.tensor(wanted, device=hidden.device)[segment_ids(batch)]
+        x = hidden[keep].float()
+    norms = [p.normalize is True for p, w in zip(batch.pooling_params, wanted) if w]
+    if any(norms):
+        per_token = torch.tensor(norms, device=x.device).repeat_interleave(
+            torch.tensor([n for n in lens if n], device=x.device))[:, None]
+        x = torch.where(per_token, l2_normalize(x), x)
+    return x, bounds

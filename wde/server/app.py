@@ -67,7 +67,7 @@ def create_app(engine: Engine | CoreClient, config: ServerConfig | None = None) 
     app.add_exception_handler(HTTPException, http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
     # Added innermost first: a request passes the id, metrics, key and size checks in that order.
-    app.add_middleware(PayloadLimitMiddleware, limit=config.payload_limit)
+    app.add_middleware(PayloadLimitMiddleware, limit=config.effective_payload_limit(async_engine.info.max_length))
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     routes = frozenset(r.path for router in _ROUTERS for r in router.routes) | {"/metrics"}

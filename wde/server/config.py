@@ -16,12 +16,17 @@ class ServerConfig:
     served_model_name: str | None = None
     """The name the API answers to, or several comma separated (as vLLM); the first is the one responses show."""
     overrides: list[str] = field(default_factory=list)
-    max_client_batch_size: int = 1024
-    """Inputs one HTTP request may carry."""
+    max_client_batch_size: int = 2048
+    """Inputs one HTTP request may carry (OpenAI's own limit for /v1/embeddings)."""
     max_concurrent_requests: int = 512
     """HTTP requests in flight at once; one more is answered 429 at once rather than queued."""
-    payload_limit: int = 2_000_000
-    """Largest request body in bytes (TEI's default); a larger one is answered 413 before it is read."""
+    payload_limit: int | None = None
+    """Largest request body in bytes; a larger one is answered 413 before it is read. None: derived from the
+    batch limit and the model's max length so that a full legal batch fits (`effective_payload_limit`)."""
+    token_id_inputs: bool = True
+    """Accept token-id inputs (a list of ints, `{"token_ids": ...}`), as vLLM and TEI do; False refuses them
+    with a 422 naming the input (`wde serve --no-token-id-inputs`), for clients that send another tokenizer's
+    ids (langchain-openai's OpenAIEmbeddings sends tiktoken cl100k ids by default)."""
     trust_remote_code: bool = False
     access_log: bool = False
     """One log line per request; off by default because formatting it costs more than a small model's batch."""
@@ -32,6 +37,13 @@ class ServerConfig:
         """What `Engine.from_workflow` / `wde.engine.resolve` are given to build what this server serves."""
         return {"workflow": self.workflow, "model": self.model, "overrides": self.overrides,
                 "trust_remote_code": self.trust_remote_code}
+
+    def effective_payload_limit(self, max_length: int) -> int:
+        """The body limit in bytes: `payload_limit` when given, else `default_payload_limit` for this batch limit
+        and a model of `max_length` tokens."""
+        if self.payload_limit is not None:
+            return self.payload_limit
+        return default_payload_limit(self.max_client_batch_size, max_length)
 
     def model_names(self, public_name: str) -> tuple[str, ...]:
         """Every `model` a request may name, the primary first: the --served-model-name values (else
@@ -45,7 +57,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty: an empty key would turn authentication off; give a key, or none")
-        if self.payload_limit < 1:
+        if self.max_client_batch_size < 1:
+            raise ValueError(f"max_client_batch_size must be at least 1, got {self.max_client_batch_size}")
+        if self.payload_limit is not None and self.payload_limit < 1:
             raise ValueError(f"payload_limit must be at least 1 byte, got {self.payload_limit}")
         if self.served_model_name is not None and not self.served_model_name.strip(" ,"):
             raise ValueError("served_model_name is empty: give a name, several comma separated, or none")
@@ -53,3 +67,25 @@ class ServerConfig:
             from wde.server.quantize import load_ranges
 
             load_ranges(self.quantization_ranges)  # a bad file fails at start-up, not at the first request
+
+
+BYTES_PER_TOKEN = 16
+"""Generous JSON bytes for one token of an input: English text runs at 4 to 6 bytes per token, token ids at up
+to 8 ("250001, "), \\u-escaped non-Latin text at 6 to 12; 16 leaves room for long tokens (URLs, runs of symbols)."""
+BYTES_PER_INPUT = 64
+"""JSON around each input: quotes, comma, a pair's brackets or a `{"text": ...}` wrapper."""
+BODY_OVERHEAD = 65_536
+"""The request's other fields (model, options, a rerank query...)."""
+MIN_PAYLOAD_LIMIT = 2_000_000
+"""Never below TEI's default."""
+
+
+def default_payload_limit(max_client_batch_size: int, max_length: int) -> int:
+    """The default body limit: a full legal batch (`max_client_batch_size` inputs of `max_length` tokens) fits,
+    `batch x (max_length x 16 + 64) + 64 KiB` bytes, and never below TEI's 2,000,000 bytes.
+
+    The all-MiniLM-L6-v2 default (2,048 inputs of up to 256 tokens) gives 8,585,216 bytes; an 8,192-token model
+    ~269 MB (an explicit `--payload-limit` wins).
+    """
+    per_input = max_length * BYTES_PER_TOKEN + BYTES_PER_INPUT
+    return max(MIN_PAYLOAD_LIMIT, max_client_batch_size * per_input + BODY_OVERHEAD)

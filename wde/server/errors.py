@@ -57,7 +57,7 @@ _TEI_TYPE: dict[str, str] = {
 }
 
 TEI_PATHS = frozenset({"/embed", "/embed_all", "/embed_sparse", "/rerank", "/predict", "/similarity", "/tokenize",
-                       "/decode", "/info", "/health"})
+                       "/decode", "/info", "/health", "/", "/invocations", "/ping"})
 
 
 class ApiError(Exception):

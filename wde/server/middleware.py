@@ -20,7 +20,7 @@ Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ping"})
 _SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 

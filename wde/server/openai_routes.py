@@ -1,5 +1,6 @@
-"""OpenAI-compatible routes: /v1/embeddings, /v1/models, and /pooling (every output, e.g. bge-m3's
-dense + sparse + colbert, in OpenAI's list envelope)."""
+"""OpenAI-compatible routes: /v1/embeddings (also at /embeddings, where TEI and Infinity serve it), /v1/models,
+/v1/models/{id}, Infinity's /models, and /pooling (every output, e.g. bge-m3's dense + sparse + colbert, in
+OpenAI's list envelope)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,15 @@ def encode_vector(vector: np.ndarray, encoding_format: str) -> np.ndarray | str:
 
 
 @router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingRequest))
+@router.post("/embeddings", openapi_extra=body_schema(EmbeddingRequest))
 async def embeddings(request: Request) -> JSONResponse:
     svc = service(request)
     body = parse(EmbeddingRequest, await read_json(request))
     svc.check_model(body.model)
-    svc.require("dense", "/v1/embeddings")
-    params = PoolingParams(truncate=body.truncate, prompt_name=body.prompt_name, dimensions=body.dimensions,
+    if body.modality not in (None, "text"):
+        raise ApiError("unsupported", f"modality {body.modality!r}: this server embeds text only", "modality")
+    svc.require("dense", request.url.path)
+    params = PoolingParams(truncate=body.truncate, prompt_name=body.prompt_name, dimensions=body.dimensions or None,
                            outputs=("dense",))
     result = await svc.run(request, embed_items(body.input), params, "input", item_names("input", body.input))
     vectors = quantize_rows(result.dense, body.embed_dtype, svc.config.quantization_ranges, "embed_dtype")
@@ -48,7 +52,7 @@ async def pooling(request: Request) -> JSONResponse:
     svc = service(request)
     body = parse(PoolingRequest, await read_json(request))
     svc.check_model(body.model)
-    wanted = tuple(body.outputs) if body.outputs else svc.supported
+    wanted = tuple(body.outputs) if body.outputs else svc.produces  # per-token states only when asked for
     unknown = [o for o in wanted if o not in svc.supported]
     if unknown:
         raise ApiError("validation", f"outputs {unknown} are not produced by this model; it produces"
@@ -69,11 +73,42 @@ def _list_response(svc: Service, data: list[dict], result: Result) -> JSONRespon
                         headers=result.headers)
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> JSONResponse:
-    svc = service(request)
+def _model_card(svc: Service) -> dict:
+    """OpenAI's Model object (`id`, `object`, `created`, `owned_by`) plus what WDE serves it with."""
     info = svc.info
-    card = {"id": svc.model_name, "object": "model", "created": svc.created, "owned_by": "wde",
+    return {"id": svc.model_name, "object": "model", "created": svc.created, "owned_by": "wde",
             "root": svc.model_name, "workflow": info.workflow,
             "outputs": list(info.outputs), "max_model_len": info.max_length}
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_card(service(request))]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str) -> JSONResponse:
+    """OpenAI's `models.retrieve`: the served model under any of its names; 404 for any other id."""
+    svc = service(request)
+    if model_id not in svc.model_names:
+        raise svc.not_served(model_id)
+    return JSONResponse(_model_card(svc))
+
+
+_CAPABILITIES = {"dense": "embed", "score": "rerank", "probs": "classify"}
+"""WDE outputs → Infinity's capability names."""
+
+
+@router.get("/models")
+async def infinity_models(request: Request) -> JSONResponse:
+    """Infinity's /models: OpenAI's list whose cards carry Infinity's `stats` (read by infinity_client),
+    `backend` and `capabilities`."""
+    svc = service(request)
+    engine = svc.engine
+    limit = max(1, engine.max_concurrent_requests)
+    stats = {"queue_fraction": engine.active_calls / limit, "queue_absolute": engine.queue_depth,
+             "results_pending": engine.num_pending, "batch_size": svc.info.max_num_requests}
+    card = {"id": svc.model_name, "object": "model", "owned_by": "infinity", "created": svc.created,
+            "backend": "wde", "capabilities": sorted(_CAPABILITIES[o] for o in svc.supported if o in _CAPABILITIES),
+            "stats": stats}
     return JSONResponse({"object": "list", "data": [card]})

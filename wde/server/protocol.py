@@ -33,12 +33,15 @@ def _direction(value: Any) -> Any:
 
 
 class EmbeddingRequest(Body):
-    """OpenAI /v1/embeddings."""
+    """OpenAI /v1/embeddings (also Infinity's and TEI's /embeddings)."""
 
     input: EmbedInput
     model: str | None = None
+    modality: Literal["text", "image", "audio"] | None = None
+    """Infinity's: only text is served (image and audio answer 424)."""
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, gt=0)
+    dimensions: int | None = Field(None, ge=0)
+    """0 means every dimension, as on Infinity (infinity_client sends 0 unless told otherwise)."""
     user: str | None = None
     embed_dtype: Precision = "float32"
     """Extension (vLLM's option name): int8/uint8/binary/ubinary quantized vectors, see wde/server/quantize.py."""
@@ -110,6 +113,16 @@ class ClassifyRequest(Body):
     truncate: bool = False
 
 
+class InfinityClassifyRequest(Body):
+    """Infinity /classify (infinity_client always sends `raw_scores`, which tells it from vLLM's body)."""
+
+    input: Union[str, list[str]]
+    model: str | None = None
+    raw_scores: bool = False
+    truncate: bool = False
+    """Extension, as on vLLM's /classify."""
+
+
 class TeiEmbedRequest(Body):
     """TEI /embed."""
 
@@ -138,6 +151,13 @@ class TeiSparseRequest(Body):
     _direction = field_validator("truncation_direction", mode="before")(_direction)
 
 
+class PredictParameters(Body):
+    """The Hugging Face Inference API's text-classification `parameters` (huggingface_hub's InferenceClient)."""
+
+    top_k: int | None = Field(None, gt=0)
+    function_to_apply: Literal["sigmoid", "softmax", "none"] | None = None
+
+
 class TeiPredictRequest(Body):
     """TEI /predict: a text, a [text, text_pair] pair, or a batch of [text] / [text, text_pair] lists."""
 
@@ -145,6 +165,9 @@ class TeiPredictRequest(Body):
     truncate: bool | None = None
     truncation_direction: Direction = "right"
     raw_scores: bool = False
+    parameters: PredictParameters | None = None
+    """Extension: the Hugging Face Inference API's `top_k` and `function_to_apply`; a body carrying it gets that
+    API's answer for a single input (a list holding its one list of predictions)."""
 
     _direction = field_validator("truncation_direction", mode="before")(_direction)
 
@@ -173,6 +196,16 @@ class SimilarityInputs(Body):
     sentences: list[str]
 
 
+class SimilarityParameters(Body):
+    """TEI's /similarity `parameters` (where TEI reads them; the same names at the top level also work)."""
+
+    truncate: bool | None = None
+    truncation_direction: Direction | None = None
+    prompt_name: str | None = None
+
+    _direction = field_validator("truncation_direction", mode="before")(_direction)
+
+
 class TeiSimilarityRequest(Body):
     """TEI /similarity: cosine similarity of `source_sentence` with each of `sentences`."""
 
@@ -180,6 +213,7 @@ class TeiSimilarityRequest(Body):
     truncate: bool | None = None
     truncation_direction: Direction = "right"
     prompt_name: str | None = None
+    parameters: SimilarityParameters | None = None
 
     _direction = field_validator("truncation_direction", mode="before")(_direction)
 

@@ -1,12 +1,17 @@
 """/rerank and /v1/rerank: one path, two request shapes; /v2/rerank (Cohere v2, vLLM).
 
-A body with `documents` is Cohere/Jina/vLLM-style and gets `{"results": [{index, relevance_score, document}]}`;
-a body with `texts` is TEI's and gets TEI's bare list `[{index, score, text?}]` (and TEI's error shape).
+A body with `documents` is Cohere/Jina/vLLM/Infinity-style and gets `{"id", "object": "rerank", "created",
+"model", "results": [{index, relevance_score, document}], "usage": {prompt_tokens, total_tokens}}`, which each of
+those clients reads; `document` is `{"text": ...}` (Cohere, Jina, vLLM) except for infinity_client's body (it always
+sends `model`, `return_documents` and `raw_scores`), which gets Infinity's plain string. A body with `texts` is
+TEI's and gets TEI's bare list `[{index, score, text?}]` (and TEI's error shape).
 """
 
 from __future__ import annotations
 
+import time
 import uuid
+from typing import Any
 
 from fastapi import APIRouter, Request
 
@@ -32,13 +37,24 @@ async def _scores(svc: Service, request: Request, query: str, docs: list[str], p
 @router.post("/rerank", openapi_extra=body_schema(RerankRequest, TeiRerankRequest))
 @router.post("/v1/rerank", openapi_extra=body_schema(RerankRequest, TeiRerankRequest))
 async def rerank(request: Request) -> JSONResponse:
+    return await rerank_body(request, await read_json(request))
+
+
+INFINITY_CLIENT_KEYS = frozenset({"model", "return_documents", "raw_scores"})
+"""What infinity_client's RerankInput always sends (with its defaults when its user gives none)."""
+
+
+async def rerank_body(request: Request, raw: Any, tei: bool = False) -> JSONResponse:
+    """Rerank a parsed JSON body in the shape it was sent in: TEI's with `texts` (or, when `tei`, with neither
+    `texts` nor `documents`: TEI's root route names what is missing in TEI's shape), else with `documents`."""
     svc: Service = request.app.state.service
-    raw = await read_json(request)
-    if isinstance(raw, dict) and "texts" in raw and "documents" not in raw:
+    documents = isinstance(raw, dict) and "documents" in raw
+    if not documents and (tei or isinstance(raw, dict) and "texts" in raw):
         request.state.error_style = "tei"
         return await _tei_rerank(svc, request, parse(TeiRerankRequest, raw))
     request.state.error_style = "openai"
-    return await _documents_rerank(svc, request, parse(RerankRequest, raw), truncate=False)
+    flat = isinstance(raw, dict) and INFINITY_CLIENT_KEYS <= raw.keys()
+    return await _documents_rerank(svc, request, parse(RerankRequest, raw), truncate=False, flat_documents=flat)
 
 
 @router.post("/v2/rerank", openapi_extra=body_schema(CohereRerankRequest))
@@ -54,7 +70,8 @@ async def rerank_v2(request: Request) -> JSONResponse:
     return await _documents_rerank(svc, request, body, truncate=cap is not None)
 
 
-async def _documents_rerank(svc: Service, request: Request, body: RerankRequest, truncate: bool) -> JSONResponse:
+async def _documents_rerank(svc: Service, request: Request, body: RerankRequest, truncate: bool,
+                            flat_documents: bool = False) -> JSONResponse:
     svc.check_model(body.model)
     docs = [d.text if isinstance(d, Document) else d for d in body.documents]
     params = PoolingParams(truncate=body.truncate or truncate, activation=False if body.raw_scores else None,
@@ -66,10 +83,12 @@ async def _documents_rerank(svc: Service, request: Request, body: RerankRequest,
     for i, score in ranked:
         item: dict = {"index": i, "relevance_score": score}
         if body.return_documents:
-            item["document"] = {"text": docs[i]}
+            item["document"] = docs[i] if flat_documents else {"text": docs[i]}
         results.append(item)
-    content = {"id": f"rerank-{uuid.uuid4().hex}", "model": svc.model_name, "results": results,
-               "usage": {"total_tokens": result.prompt_tokens}}
+    tokens = result.prompt_tokens
+    content = {"id": f"rerank-{uuid.uuid4().hex}", "object": "rerank", "created": int(time.time()),
+               "model": svc.model_name, "results": results,
+               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
     if isinstance(body, CohereRerankRequest):
         content["meta"] = {"api_version": {"version": "2"}, "tokens": {"input_tokens": result.prompt_tokens}}
     return JSONResponse(content, headers=result.headers)

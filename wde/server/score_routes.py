@@ -1,4 +1,5 @@
-"""vLLM-style /score and /v1/score (text pairs, or one text against many) and /classify."""
+"""vLLM-style /score and /v1/score (text pairs, or one text against many) and /classify, which also speaks
+Infinity's /classify (and /v1/classify, Infinity under a /v1 prefix) for a body carrying `raw_scores`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from fastapi import APIRouter, Request
 
 from wde.request import PoolingParams
 from wde.server.errors import ApiError
-from wde.server.protocol import ClassifyRequest, ScoreRequest, body_schema, item_names, parse, read_json
+from wde.server.protocol import (ClassifyRequest, InfinityClassifyRequest, ScoreRequest, body_schema, item_names, parse,
+                                 read_json)
 from wde.server.responses import JSONResponse
 from wde.server.service import Service, scalar
 
@@ -67,12 +69,16 @@ async def score(request: Request) -> JSONResponse:
                          "model": svc.model_name, "data": data, "usage": usage}, headers=result.headers)
 
 
-@router.post("/classify", openapi_extra=body_schema(ClassifyRequest))
+@router.post("/classify", openapi_extra=body_schema(ClassifyRequest, InfinityClassifyRequest))
+@router.post("/v1/classify", openapi_extra=body_schema(ClassifyRequest, InfinityClassifyRequest))
 async def classify(request: Request) -> JSONResponse:
     svc: Service = request.app.state.service
-    body = parse(ClassifyRequest, await read_json(request))
+    raw = await read_json(request)
+    if isinstance(raw, dict) and "raw_scores" in raw:  # infinity_client always sends it; vLLM has no such field
+        return await _infinity_classify(svc, request, parse(InfinityClassifyRequest, raw))
+    body = parse(ClassifyRequest, raw)
     svc.check_model(body.model)
-    svc.require("probs", "/classify")
+    svc.require("probs", request.url.path)
     inputs = [body.input] if isinstance(body.input, str) else body.input
     result = await svc.run(request, inputs, PoolingParams(truncate=body.truncate, outputs=("probs",)), "input",
                            item_names("input", body.input))
@@ -85,4 +91,22 @@ async def classify(request: Request) -> JSONResponse:
                      "probs": probs.tolist(), "num_classes": int(probs.shape[0])})
     usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
     return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                         "model": svc.model_name, "data": data, "usage": usage}, headers=result.headers)
+
+
+async def _infinity_classify(svc: Service, request: Request, body: InfinityClassifyRequest) -> JSONResponse:
+    """Infinity's answer: per input, every label with its score, best first; `raw_scores` gives logits."""
+    svc.check_model(body.model)
+    svc.require("probs", request.url.path)
+    inputs = [body.input] if isinstance(body.input, str) else body.input
+    params = PoolingParams(truncate=body.truncate, activation=False if body.raw_scores else None, outputs=("probs",))
+    result = await svc.run(request, inputs, params, "input", item_names("input", body.input))
+    labels = svc.labels()
+    data = []
+    for o in result.outputs:
+        scores = np.asarray(o.outputs["probs"], dtype=np.float32).reshape(-1).tolist()
+        ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
+        data.append([{"score": scores[i], "label": labels[i] if i < len(labels) else f"LABEL_{i}"} for i in ranked])
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "classify", "created": int(time.time()),
                          "model": svc.model_name, "data": data, "usage": usage}, headers=result.headers)

@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 from fastapi import Request
@@ -30,6 +30,15 @@ _NEEDS = {
     "sparse": "a sparse-embedding model such as bge-m3 (output 'sparse')",
 }
 
+
+UNSET_MODEL = "default/not-specified"
+"""The `model` infinity_client sends when its user names none: it means "the served model", as on Infinity."""
+
+TOKEN_IDS_REFUSED = (
+    "{name} is a list of token ids, and this server refuses token-id inputs (wde serve --no-token-id-inputs):"
+    " ids from another tokenizer would be embedded as the wrong tokens of this model's vocabulary. Send the text"
+    " instead (langchain-openai's OpenAIEmbeddings sends tiktoken cl100k ids unless given"
+    " check_embedding_ctx_length=False)")
 
 _KIND: dict[str, ErrorKind] = {"empty": "empty", "encoding": "bad_text", "too_long": "too_long"}
 """RequestError kinds → API error kinds (anything else the input caused is "validation")."""
@@ -85,13 +94,26 @@ class Service:
 
     @property
     def supported(self) -> tuple[str, ...]:
+        """Every output the workflow can produce, on request ones ('token_embeddings' of an embedder) included."""
         return self.engine.info.outputs
 
+    @property
+    def produces(self) -> tuple[str, ...]:
+        """What the workflow produces by default: `supported` less the per-token states an embedder gives only
+        to the requests that ask for them (/embed_all)."""
+        outputs = self.supported
+        main = tuple(o for o in outputs if o != "token_embeddings")
+        return main or outputs
+
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            aliases = ", ".join(repr(n) for n in self.model_names[1:] if _public_name(n) == n)  # no local paths
-            raise ApiError("not_found", f"model {name!r} is not served here; this server serves"
-                           f" {self.model_name!r}{f' (also accepted: {aliases})' if aliases else ''}", "model")
+        if name is not None and name != UNSET_MODEL and name not in self.model_names:
+            raise self.not_served(name)
+
+    def not_served(self, name: str) -> ApiError:
+        """The 404 for a `model` this server does not serve, naming what it serves (never a local path)."""
+        aliases = ", ".join(repr(n) for n in self.model_names[1:] if _public_name(n) == n)
+        return ApiError("not_found", f"model {name!r} is not served here; this server serves"
+                        f" {self.model_name!r}{f' (also accepted: {aliases})' if aliases else ''}", "model")
 
     def check_token_cap(self, cap: int | None, field: str, unit: str = "") -> None:
         """Refuse a client's token cap (Cohere's max_tokens...) below the model's limit: WDE truncates only to it."""
@@ -103,7 +125,7 @@ class Service:
     def require(self, output: str, route: str) -> None:
         if output not in self.supported:
             raise ApiError("unsupported", f"{route} needs {_NEEDS.get(output, repr(output))}, but workflow"
-                           f" {self.info.workflow!r} produces {list(self.supported)}")
+                           f" {self.info.workflow!r} produces {list(self.produces)}")
 
     def labels(self) -> list[str]:
         """Class names in class-id order: the pooler's `labels`, else the model config's id2label."""
@@ -124,6 +146,11 @@ class Service:
             raise ApiError("validation", f"batch size {len(inputs)} > maximum allowed batch size {limit}"
                            f" ({field} has {len(inputs)} inputs; the limit is {limit})", field)
         names = input_names(names if names is not None else field, len(inputs))
+        if not self.config.token_id_inputs:
+            for item, name in zip(inputs, names):
+                if is_token_ids(item):
+                    where = name if isinstance(name, str) else name[1]
+                    raise ApiError("validation", TOKEN_IDS_REFUSED.format(name=where), where)
         rid = request_id(request)
         try:
             outputs = await _unless_disconnected(request, self.engine.encode(inputs, params, names, rid))
@@ -162,6 +189,13 @@ class Service:
                     raise ApiError("validation", f"{where} is {tid}; token ids must be integers in [0, {vocab})", where)
         return await self.off_loop(lambda: component.hf_tokenizer.batch_decode(
             ids, skip_special_tokens=skip_special_tokens))
+
+
+def is_token_ids(item: Any) -> bool:
+    """Whether an engine input is token ids (`{"token_ids": [...]}` or a bare list of ints) rather than text."""
+    if isinstance(item, Mapping):
+        return "token_ids" in item
+    return isinstance(item, list) and bool(item) and all(isinstance(x, int) and not isinstance(x, bool) for x in item)
 
 
 def served_names(config: ServerConfig) -> tuple[str, ...]:

@@ -1,10 +1,14 @@
 """text-embeddings-inference (TEI) compatible routes: same request fields, defaults and response JSON.
 
+`POST /` and `POST /invocations` (SageMaker) answer by the served model's kind, as TEI's router: a classifier
+predicts, a reranker reranks, an embedder embeds (a sentence-similarity body, `inputs.source_sentence`, gets
+/similarity, which TEI serves there only with TASK=sentence-similarity); `GET /` and `GET /ping` are health.
 /rerank, which also speaks TEI, lives in rerank_routes.py.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -15,11 +19,12 @@ from wde.errors import RequestError
 from wde.request import PoolingParams
 from wde.server.errors import ApiError, error_response
 from wde.server.protocol import (TeiDecodeRequest, TeiEmbedAllRequest, TeiEmbedRequest, TeiPredictRequest,
-                                 TeiSimilarityRequest, TeiSparseRequest, TeiTokenizeRequest, body_schema, embed_items,
-                                 item_names, parse, read_json)
+                                 TeiRerankRequest, TeiSimilarityRequest, TeiSparseRequest, TeiTokenizeRequest,
+                                 body_schema, embed_items, item_names, parse, read_json)
 from wde.server.quantize import quantize_rows, to_base64
+from wde.server.rerank_routes import rerank_body
 from wde.server.responses import JSONResponse
-from wde.server.service import Service, api_error, scalar
+from wde.server.service import Service, api_error
 
 router = APIRouter()
 
@@ -30,8 +35,12 @@ def service(request: Request) -> Service:
 
 @router.post("/embed", openapi_extra=body_schema(TeiEmbedRequest))
 async def embed(request: Request) -> JSONResponse:
+    return await _embed(request, await read_json(request))
+
+
+async def _embed(request: Request, raw: Any) -> JSONResponse:
     svc = service(request)
-    body = parse(TeiEmbedRequest, await read_json(request))
+    body = parse(TeiEmbedRequest, raw)
     svc.require("dense", "/embed")
     params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
                            normalize=body.normalize, prompt_name=body.prompt_name, dimensions=body.dimensions,
@@ -45,13 +54,17 @@ async def embed(request: Request) -> JSONResponse:
 
 @router.post("/embed_all", openapi_extra=body_schema(TeiEmbedAllRequest))
 async def embed_all(request: Request) -> JSONResponse:
+    return await _embed_all(request, await read_json(request))
+
+
+async def _embed_all(request: Request, raw: Any) -> JSONResponse:
     """Every token's final hidden state (special tokens included), unnormalized: [[[float]]]."""
     svc = service(request)
-    body = parse(TeiEmbedAllRequest, await read_json(request))
+    body = parse(TeiEmbedAllRequest, raw)
     if "token_embeddings" not in svc.supported:
-        raise ApiError("unsupported", f"/embed_all needs per-token states (output 'token_embeddings'), but workflow"
-                       f" {svc.info.workflow!r} produces {list(svc.supported)}; serve an embedder with"
-                       " `--set pooler.name=sentence_tokens`")
+        raise ApiError("unsupported", f"/embed_all needs per-token states (output 'token_embeddings'), which"
+                       " embedders built on the `sentence` pooler (or `decoder_features`) give on request, but"
+                       f" workflow {svc.info.workflow!r} produces {list(svc.produces)}")
     params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
                            normalize=False, prompt_name=body.prompt_name, outputs=("token_embeddings",))
     result = await svc.run(request, embed_items(body.inputs), params, "inputs", item_names("inputs", body.inputs))
@@ -61,15 +74,23 @@ async def embed_all(request: Request) -> JSONResponse:
 
 @router.post("/similarity", openapi_extra=body_schema(TeiSimilarityRequest))
 async def similarity(request: Request) -> JSONResponse:
+    return await _similarity(request, await read_json(request))
+
+
+async def _similarity(request: Request, raw: Any) -> JSONResponse:
     """Cosine similarity of `inputs.source_sentence` with each of `inputs.sentences`, in their order."""
     svc = service(request)
-    body = parse(TeiSimilarityRequest, await read_json(request))
+    body = parse(TeiSimilarityRequest, raw)
     svc.require("dense", "/similarity")
     sentences = body.inputs.sentences
     if not sentences:
         raise ApiError("empty", "inputs.sentences is empty: send at least one sentence", "inputs.sentences")
-    params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
-                           normalize=True, prompt_name=body.prompt_name, outputs=("dense",))
+    given = body.parameters  # where TEI reads them; each wins over the same name at the top level
+    truncate = given.truncate if given and given.truncate is not None else body.truncate
+    direction = given.truncation_direction if given and given.truncation_direction else body.truncation_direction
+    prompt_name = given.prompt_name if given and given.prompt_name is not None else body.prompt_name
+    params = PoolingParams(truncate=bool(truncate), truncation_direction=direction, normalize=True,
+                           prompt_name=prompt_name, outputs=("dense",))
     names = ["inputs.source_sentence"] + [f"inputs.sentences[{i}]" for i in range(len(sentences))]
     result = await svc.run(request, [body.inputs.source_sentence, *sentences], params, "inputs", names)
     source, *others = result.dense
@@ -95,8 +116,13 @@ async def decode(request: Request) -> JSONResponse:
 
 @router.post("/embed_sparse", openapi_extra=body_schema(TeiSparseRequest))
 async def embed_sparse(request: Request) -> JSONResponse:
+    return await _embed_sparse(request, await read_json(request))
+
+
+async def _embed_sparse(request: Request, raw: Any) -> JSONResponse:
+    """TEI's sparse answer: per input, `[{index, value}]` sorted by token id."""
     svc = service(request)
-    body = parse(TeiSparseRequest, await read_json(request))
+    body = parse(TeiSparseRequest, raw)
     svc.require("sparse", "/embed_sparse")
     params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
                            prompt_name=body.prompt_name, outputs=("sparse",))
@@ -135,26 +161,49 @@ def _predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[Any
 
 @router.post("/predict", openapi_extra=body_schema(TeiPredictRequest))
 async def predict(request: Request) -> JSONResponse:
-    """Classifiers answer every label, best first; cross-encoders their single score."""
+    return await _predict(request, await read_json(request))
+
+
+_FUNCTIONS = {
+    "sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
+    "softmax": lambda x: np.exp(x - x.max()) / np.exp(x - x.max()).sum(),
+    "none": lambda x: x,
+}
+"""The Hugging Face Inference API's `function_to_apply`, on one input's logits."""
+
+
+async def _predict(request: Request, raw: Any) -> JSONResponse:
+    """Classifiers answer every label, best first; cross-encoders their single score.
+
+    `raw_scores` gives logits. The Hugging Face Inference API's `parameters` (what huggingface_hub's
+    `InferenceClient.text_classification` sends) are honoured: `function_to_apply` (sigmoid, softmax or none,
+    applied to the logits instead of the workflow's activation) and `top_k` (the best k labels); with them a single
+    input answers that API's shape, a list holding its one list of predictions.
+    """
     svc = service(request)
-    body = parse(TeiPredictRequest, await read_json(request))
+    body = parse(TeiPredictRequest, raw)
     output = "probs" if "probs" in svc.supported else "score"
     svc.require(output, "/predict")
     items, names, single = _predict_inputs(body.inputs)
+    hf = body.parameters
+    function = _FUNCTIONS[hf.function_to_apply] if hf is not None and hf.function_to_apply else None
+    raw_logits = body.raw_scores or function is not None
     params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
-                           activation=False if body.raw_scores else None, outputs=(output,))
+                           activation=False if raw_logits else None, outputs=(output,))
     result = await svc.run(request, items, params, "inputs", names)
     labels = svc.labels()
     predictions = []
     for o in result.outputs:
-        if output == "probs":
-            values = np.asarray(o.outputs[output], dtype=np.float32).reshape(-1).tolist()
-        else:
-            values = [scalar(o.outputs[output])]
+        values = np.asarray(o.outputs[output], dtype=np.float64).reshape(-1)
+        if function is not None:
+            values = function(values)
         preds = [{"score": float(s), "label": labels[i] if i < len(labels) else f"LABEL_{i}"}
-                 for i, s in enumerate(values)]
-        predictions.append(sorted(preds, key=lambda p: -p["score"]))
-    return JSONResponse(predictions[0] if single else predictions, headers=result.headers)
+                 for i, s in enumerate(values.tolist())]
+        preds.sort(key=lambda p: -p["score"])
+        predictions.append(preds[:hf.top_k] if hf is not None and hf.top_k else preds)
+    if single and hf is None:
+        return JSONResponse(predictions[0], headers=result.headers)
+    return JSONResponse(predictions, headers=result.headers)
 
 
 @router.post("/tokenize", openapi_extra=body_schema(TeiTokenizeRequest))
@@ -239,9 +288,43 @@ async def info(request: Request) -> JSONResponse:
 
 
 @router.get("/health")
+@router.get("/ping")  # SageMaker's
+@router.get("/")  # TEI's "Inference API health route"
 async def health(request: Request) -> JSONResponse:
+    """200 with Infinity's `{"unix": time}` (TEI's clients read only the status) while the engine runs."""
     svc = service(request)
     if not svc.engine.healthy:
         return error_response(ApiError("unhealthy", "the engine is not running"
                                        + (f": {svc.engine.error}" if svc.engine.error else "")), "tei")
-    return JSONResponse({})
+    return JSONResponse({"unix": time.time()})
+
+
+@router.post("/", openapi_extra=body_schema(TeiEmbedRequest, TeiSimilarityRequest, TeiPredictRequest,
+                                            TeiRerankRequest, TeiSparseRequest))
+@router.post("/invocations", openapi_extra=body_schema(TeiEmbedRequest, TeiSimilarityRequest, TeiPredictRequest,
+                                                       TeiRerankRequest, TeiSparseRequest))
+async def root(request: Request) -> JSONResponse:
+    """TEI's root route (and SageMaker's /invocations): the served model's own task, chosen as TEI's router
+    does. A classifier predicts; a reranker reranks (a `/predict` body, `inputs`, is predicted); an embedder
+    embeds, or answers /similarity for a sentence-similarity body; a workflow producing only sparse weights or
+    only token states answers /embed_sparse or /embed_all."""
+    svc = service(request)
+    raw = await read_json(request)
+    outputs = svc.produces
+    inputs = raw.get("inputs") if isinstance(raw, dict) else None
+    if "probs" in outputs:
+        return await _predict(request, raw)
+    if "score" in outputs:
+        if isinstance(raw, dict) and "inputs" in raw and "query" not in raw:
+            return await _predict(request, raw)
+        return await rerank_body(request, raw, tei=True)
+    if "dense" in outputs:
+        if isinstance(inputs, dict) and "source_sentence" in inputs:
+            return await _similarity(request, raw)
+        return await _embed(request, raw)
+    if "sparse" in outputs:
+        return await _embed_sparse(request, raw)
+    if "token_embeddings" in outputs:
+        return await _embed_all(request, raw)
+    raise ApiError("unsupported", f"POST {request.url.path} serves embedders, rerankers and classifiers, but"
+                   f" workflow {svc.info.workflow!r} produces {list(outputs)}")
