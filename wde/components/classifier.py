@@ -62,11 +62,56 @@ class RobertaClassificationHead(nn.Module):
         return self.classifier.out_proj(torch.tanh(self.classifier.dense(cls)))
 
 
+class DistilBertClassificationHead(nn.Module):
+    """DistilBertForSequenceClassification: classifier(relu(pre_classifier([CLS])))."""
+
+    prefixes: ClassVar[tuple[str, ...]] = ()
+    tensor_prefixes: ClassVar[tuple[str, ...]] = ("pre_classifier.", "classifier.")
+
+    def __init__(self, hidden: int, num_labels: int) -> None:
+        super().__init__()
+        self.pre_classifier = nn.Linear(hidden, hidden)
+        self.classifier = nn.Linear(hidden, num_labels)
+
+    def forward(self, cls: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.relu(self.pre_classifier(cls)))
+
+
+class ModernBertClassificationHead(nn.Module):
+    """ModernBertForSequenceClassification: classifier(norm(act(head.dense(x)))) on the CLS state or the mean of
+    the states (`classifier_pooling`)."""
+
+    prefixes: ClassVar[tuple[str, ...]] = ()
+    tensor_prefixes: ClassVar[tuple[str, ...]] = ("head.", "classifier.")
+
+    def __init__(self, cfg: object) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.head = nn.Module()
+        self.head.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.classifier_bias)
+        self.head.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.norm_bias)
+        self.act = ACT2FN[cfg.classifier_activation]
+        self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels)
+        if cfg.classifier_pooling not in ("cls", "mean"):
+            raise ModelLoadError(f"classifier_pooling {cfg.classifier_pooling!r} is not implemented (cls, mean)")
+        self.pooling = cfg.classifier_pooling
+
+    @classmethod
+    def from_config(cls, cfg: object) -> "ModernBertClassificationHead":
+        return cls(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.head.norm(self.act(self.head.dense(x))))
+
+
 HEADS: dict[str, type[nn.Module]] = {
     "bert": BertClassificationHead,
+    "distilbert": DistilBertClassificationHead,
     "roberta": RobertaClassificationHead,
     "xlm-roberta": RobertaClassificationHead,
     "camembert": RobertaClassificationHead,
+    "modernbert": ModernBertClassificationHead,
 }
 """config.model_type → the head its *ForSequenceClassification class puts on the encoder."""
 
@@ -123,7 +168,8 @@ class ClassifierPooler(Component):
         head_cls = HEADS.get(model_type)
         if head_cls is None:
             raise ModelLoadError(f"no classification head for model_type {model_type!r}; supported: {sorted(HEADS)}")
-        head = head_cls(int(cfg.hidden_size), int(cfg.num_labels))
+        from_config = getattr(head_cls, "from_config", None)
+        head = from_config(cfg) if from_config is not None else head_cls(int(cfg.hidden_size), int(cfg.num_labels))
         try:
             weights = ctx.source.iter_weights(lambda name: name.startswith(head_cls.tensor_prefixes))
             load_weights(head, weights, head_cls.prefixes, {})  # type: ignore[arg-type]
@@ -132,7 +178,7 @@ class ClassifierPooler(Component):
         return head.to(device=ctx.model.device, dtype=ctx.model.dtype).eval()
 
     def forward(self, hidden: torch.Tensor, batch: ModelInput) -> Pooled:
-        logits = self.head(pool(hidden, batch, "cls")).float()
+        logits = self.head(pool(hidden, batch, getattr(self.head, "pooling", "cls"))).float()
         on = [self.activate_by_default if p.activation is None else p.activation for p in batch.pooling_params]
         if all(on):
             logits = self._fn(logits)

@@ -29,6 +29,15 @@ DEFAULT_ARCHITECTURES: dict[str, str] = {
     "LlamaModel": "decoder_features",
     "LlamaForCausalLM": "decoder_features",
     "Qwen3Model": "qwen3_embedding",
+    "ModernBertModel": "modernbert",
+    "ModernBertForMaskedLM": "modernbert",
+    "ModernBertForSequenceClassification": "modernbert_sequence_classification",
+    "NomicBertModel": "nomic_bert",
+    "GteModel": "gte_multilingual",
+    "EuroBertModel": "eurobert",
+    "DistilBertModel": "distilbert",
+    "DistilBertForSequenceClassification": "distilbert_sequence_classification",
+    "MPNetModel": "mpnet",
 }
 
 

@@ -3,33 +3,17 @@
 T5 differs from BERT in ways the blocks take as parameters: no absolute positions, token types or embedding
 norm; pre-norm RMSNorm blocks; bias-free projections; no score scaling (scale 1.0); `d_kv`-wide heads; a relu or
 gated-gelu MLP. What BERT lacks entirely is the relative position bias: layer 0's `relative_attention_bias`
-table turns bucketed key-minus-query distances into one additive bias per head, computed once per batch and
-shared by every layer through the attention metadata.
+table turns bucketed key-minus-query distances (`relative_position_buckets`, the bucketing T5 and MPNet share) into
+one additive bias per head, computed once per batch and shared by every layer through the attention metadata.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from wde.api import BertEmbeddings, BertLayer, BertModel, ModelInput, ModelLoadError, RMSNorm
-
-
-def relative_position_buckets(length: int, num_buckets: int, max_distance: int,
-                              device: torch.device | None = None) -> torch.Tensor:
-    """[length, length] bucket of (key position - query position), bidirectional, as T5's encoder buckets it:
-    half the buckets per direction, exact for small distances, logarithmic up to `max_distance`, then capped."""
-    pos = torch.arange(length, dtype=torch.long, device=device)
-    relative = pos[None, :] - pos[:, None]
-    half = num_buckets // 2
-    buckets = (relative > 0).long() * half
-    distance = relative.abs()
-    exact = half // 2
-    scaled = exact + (torch.log(distance.float() / exact) / math.log(max_distance / exact) * (half - exact)).long()
-    scaled = torch.clamp(scaled, max=half - 1)
-    return buckets + torch.where(distance < exact, distance, scaled)
+from wde.api import (BertEmbeddings, BertLayer, BertModel, ModelInput, ModelLoadError, RMSNorm,
+                     relative_position_buckets)
 
 
 class T5EncoderModel(BertModel):
