@@ -132,3 +132,23 @@ def test_validate_a_missing_path_says_so(tmp_path: Path, monkeypatch: pytest.Mon
         {"file": "workflows/", "line": 0, "column": 0, "path": "", "message": "no such file or folder"}]}]}
     ok = run("validate", "bert", "bge_v1_5")
     assert ok.exit_code == 0 and "ok    bert (bert)" in ok.output and "2 valid, 0 invalid" in ok.output
+
+
+def test_every_option_of_every_command_has_help() -> None:
+    """`wde X --help` documents every option: walk each command's params (and the group's own)."""
+    import click
+
+    def commands(cmd: click.Command, path: str):
+        yield path, cmd
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                yield from commands(sub, f"{path} {name}")
+
+    missing = [f"{path} {'/'.join(p.opts)}" for path, cmd in commands(main, "wde")
+               for p in cmd.get_params(click.Context(cmd))
+               if isinstance(p, click.Option) and not (p.help or "").strip()]
+    assert {"embed", "serve", "validate", "inspect", "plugins"} <= set(main.commands)
+    assert missing == [], f"options without help text: {missing}"
+    for name in main.commands:  # and the help pages render
+        result = run(name, "--help")
+        assert result.exit_code == 0 and "Usage:" in result.output, result.output

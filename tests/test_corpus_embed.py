@@ -86,6 +86,7 @@ def test_sigkill_then_resume_writes_every_id_once(tmp_path: Path, tiny_bert: Pat
     src.write_text("".join(full.read_text(encoding="utf-8").splitlines(keepends=True)[:n]), encoding="utf-8")
     ids, expected = ids[:n], expected[:n]
     out = tmp_path / "out.parquet"
+    partial = tmp_path / "out.parquet.partial"  # where the run writes until it is complete
     args = ["-m", str(tiny_bert), *MEAN, "--input", str(src), "--text-field", "body", "--id-field", "doc",
             "--output", str(out), "--shard-size", "200"]
     master, slave = pty.openpty()
@@ -95,7 +96,7 @@ def test_sigkill_then_resume_writes_every_id_once(tmp_path: Path, tiny_bert: Pat
     terminal = b""
     try:
         deadline = time.monotonic() + 120
-        while len(list(out.glob("part-*.parquet"))) < 2:
+        while len(list(partial.glob("part-*.parquet"))) < 2:
             assert proc.poll() is None, terminal.decode(errors="replace")
             assert time.monotonic() < deadline, "no shard written in 120 s"
             if select.select([master], [], [], 0.01)[0]:
@@ -106,9 +107,10 @@ def test_sigkill_then_resume_writes_every_id_once(tmp_path: Path, tiny_bert: Pat
         proc.kill()
         os.close(master)
     assert b"wde embed" in terminal and b"row" in terminal  # tqdm bar, on by default on a terminal
-    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
+    kept = {p.name: p.stat().st_mtime_ns for p in partial.glob("part-*.parquet")}
     assert 2 <= len(kept) < n // 200
-    assert json.loads((out / "_wde_manifest.json").read_text())["complete"] is False
+    assert not out.exists()  # nothing under the final name until the run is complete
+    assert json.loads((partial / "_wde_manifest.json").read_text())["complete"] is False
 
     refused = run(*args)
     assert refused.exit_code == 1 and "pass --resume" in refused.output
@@ -116,12 +118,14 @@ def test_sigkill_then_resume_writes_every_id_once(tmp_path: Path, tiny_bert: Pat
     assert resumed.exit_code == 0, resumed.output
     assert f"{len(kept)} shard(s) kept from an earlier run" in resumed.output
     assert {p: (out / p).stat().st_mtime_ns for p in kept} == kept  # finished shards were not redone
-    assert not list(out.glob(".*"))  # no temporary file left behind
+    assert not list(out.glob(".*")) and not partial.exists()  # no temporary file left behind
     got_ids, got = read(out)
     assert got_ids == ids  # every id exactly once, in input order
     assert np.abs(got - expected).max() <= 1e-5
     again = run(*args, "--resume", "--shard-size", "300")
     assert again.exit_code == 1 and "different job (shard_size differ)" in again.output
+    same = run(*args, "--resume")  # a complete output: nothing to do
+    assert same.exit_code == 0 and f"nothing to do: {out} is complete ({n} x 64 embeddings)" in same.output
 
 
 def test_output_suffix_is_honoured_or_refused(tmp_path: Path, tiny_bert: Path, engine: Engine) -> None:
@@ -231,7 +235,7 @@ def test_bge_m3_sparse_and_colbert_columns(tmp_path: Path, tiny_bert: Path) -> N
     refused = run("-m", str(tiny_bert), *MEAN, "--input", str(src), "--output", str(tmp_path / "x.parquet"),
                   "--outputs", "sparse")
     assert refused.exit_code == 1
-    assert "--outputs sparse: workflow 'bert' produces ['dense'], not ['sparse']" in refused.output
+    assert "--outputs sparse: workflow 'bert' produces ['dense', 'token_embeddings'], not ['sparse']" in refused.output
     for row, w in zip(table.to_pylist(), want):
         assert np.abs(np.array(row["embedding"]) - w.outputs["dense"]).max() <= 1e-6
         assert dict(row["sparse"]).keys() == w.outputs["sparse"].keys()

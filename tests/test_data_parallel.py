@@ -54,9 +54,11 @@ def test_a_worker_error_names_file_and_line_and_keeps_finished_shards(tmp_path: 
     out = tmp_path / "out.parquet"
     with pytest.raises(CorpusError, match=rf"{corpus}:2500: input has \d+ tokens, .* pass --truncate"):
         run_embed(job(corpus, out, tiny_bert, truncate=False), workers=2)
-    kept = {p.name for p in out.glob("part-*.parquet")}
-    assert "part-000009.parquet" not in kept  # the shard holding line 2500 was not written
-    assert not list(out.glob(".*"))
+    assert not out.exists()  # an unfinished run never appears under the final name
+    partial = out.with_name(out.name + ".partial")
+    kept = {p.name for p in partial.glob("part-*.parquet")}
+    assert kept and "part-000009.parquet" not in kept  # finished shards kept; the one holding line 2500 not written
+    assert not list(partial.glob(".*"))
 
 
 def test_plan_devices() -> None:

@@ -85,7 +85,8 @@ def validate(paths: tuple[str, ...], fmt: str, overrides: tuple[str, ...]) -> No
 
 @main.command()
 @click.argument("workflow")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="override a workflow value before printing, e.g. scheduler.params.max_num_requests=64 (repeatable)")
 def inspect(workflow: str, overrides: tuple[str, ...]) -> None:
     """Print the resolved workflow graph with every component's effective params (YAML)."""
     import yaml
@@ -100,7 +101,8 @@ def inspect(workflow: str, overrides: tuple[str, ...]) -> None:
 
 
 @main.command()
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="json for machines")
 def plugins(fmt: str) -> None:
     """List loaded plugins and what each registers."""
     from wde.registry import get_registry
@@ -140,15 +142,25 @@ def _split_list(values: tuple[str, ...]) -> list[str]:
               help="what to write; sparse and colbert need a workflow that makes them (bge_m3)")
 @click.option("--workflow", "-w", default=None, help="workflow file or name (default: chosen from the model)")
 @click.option("--model", "-m", default=None, help="model folder or cached hub id (default: all-MiniLM-L6-v2)")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="override a workflow value, e.g. scheduler.params.max_num_batched_tokens=8192 (repeatable); part"
+                   " of the job, so --resume needs the same ones")
 @click.option("--truncate/--no-truncate", default=False, help="truncate over-long inputs instead of failing")
-@click.option("--prompt-name", default=None)
+@click.option("--prompt-name", default=None, metavar="NAME",
+              help="prefix every text with this named prompt, from the model's config_sentence_transformers.json"
+                   " or the workflow's input_processor.params.prompts (e.g. query for bge models)")
 @click.option("--skip-blank", is_flag=True, default=False,
               help=".txt: skip blank lines (default: a blank line is an error, so rows line up with lines)")
 @click.option("--shard-size", default=4096, show_default=True, type=click.IntRange(min=1),
               help="records per output shard, the unit of --resume")
-@click.option("--resume", is_flag=True, default=False, help="finish an interrupted run: keep the shards it wrote")
-@click.option("--overwrite", is_flag=True, default=False, help="replace an existing output")
+@click.option("--max-line-bytes", default=16 * 1024 * 1024, show_default=True, type=click.IntRange(min=1),
+              help=".jsonl/.txt: refuse a longer line, naming FILE:LINE, without reading it whole")
+@click.option("--resume", is_flag=True, default=False,
+              help="finish an interrupted run from OUTPUT.partial, keeping its shards that still match their"
+                   " checksums and input; a complete OUTPUT is left as it is")
+@click.option("--overwrite", is_flag=True, default=False,
+              help="start over, replacing an existing output (and OUTPUT.partial); the old output stays readable"
+                   " until the new one is complete")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
               help="worker processes, each with its own engine (one per GPU, or CPU workers sharing the cores)")
 @click.option("--devices", default=None, metavar="DEV[,DEV…]",
@@ -156,41 +168,58 @@ def _split_list(values: tuple[str, ...]) -> list[str]:
 @click.option("--ray", "ray_address", default=None, is_flag=False, flag_value="local", metavar="[ADDRESS]",
               help="run as a Ray Data job: on the cluster at ADDRESS, or a local one for a bare --ray (wde[ray])")
 @click.option("--progress/--no-progress", default=None, help="progress bar on stderr (default: when it is a terminal)")
-@click.option("--trust-remote-code", is_flag=True, default=False)
+@click.option("--trust-remote-code", is_flag=True, default=False,
+              help="allow the model folder's own Python code (auto_map); off unless you trust the model")
 def embed(inputs: tuple[str, ...], output: str, text_field: str, id_field: str | None, outputs: str,
           workflow: str | None, model: str | None, overrides: tuple[str, ...], truncate: bool,
-          prompt_name: str | None, skip_blank: bool, shard_size: int, resume: bool, overwrite: bool, workers: int,
-          devices: str | None, ray_address: str | None, progress: bool | None, trust_remote_code: bool) -> None:
+          prompt_name: str | None, skip_blank: bool, shard_size: int, max_line_bytes: int, resume: bool,
+          overwrite: bool, workers: int, devices: str | None, ray_address: str | None, progress: bool | None,
+          trust_remote_code: bool) -> None:
     """Embed a corpus into parquet (ids + vectors) or .npy, streaming, resumable, on one or many devices.
 
-    Errors name the file and 1-based line. A killed run continues with --resume (docs/scaling.md).
+    Errors name the file and 1-based line. The run writes into OUTPUT.partial and renames it to OUTPUT only when
+    complete. SIGINT / SIGTERM drop the shard in flight, keep the finished ones and exit 130 / 143; a killed or
+    interrupted run continues with --resume (docs/scaling.md).
     """
     from pydantic import ValidationError
 
     from wde.corpus import CorpusError, EmbedJob, run_embed
+    from wde.corpus.signals import Interrupted, SignalGuard
     from wde.errors import RequestError
 
     try:
         job = EmbedJob(inputs=tuple(_split_list(inputs)), output=output, text_field=text_field, id_field=id_field,
                        outputs=tuple(_split_list((outputs,))), truncate=truncate, prompt_name=prompt_name,
-                       skip_blank=skip_blank, shard_size=shard_size, workflow=workflow, model=model,
-                       overrides=overrides, trust_remote_code=trust_remote_code)
+                       skip_blank=skip_blank, shard_size=shard_size, max_line_bytes=max_line_bytes,
+                       workflow=workflow, model=model, overrides=overrides, trust_remote_code=trust_remote_code)
     except ValidationError as e:
         first = e.errors()[0]
         flag = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "wde embed"
         raise click.BadParameter(f"{first['msg']} (got {first.get('input')!r})", param_hint=flag) from None
     device_list = _split_list((devices,)) if devices else None
     try:
-        if ray_address is not None:
-            from wde.corpus.ray_job import run_ray_embed
+        with SignalGuard():
+            if ray_address is not None:
+                from wde.corpus.ray_job import run_ray_embed
 
-            rows, dim = run_ray_embed(job, ray_address, workers=workers, overwrite=overwrite, resume=resume)
-            click.echo(f"wrote {rows} x {dim} embeddings to {output}")
-            return
-        summary = run_embed(job, workers=workers, devices=device_list, resume=resume, overwrite=overwrite,
-                            progress=sys.stderr.isatty() if progress is None else progress)
+                try:
+                    rows, dim = run_ray_embed(job, ray_address, workers=workers, overwrite=overwrite, resume=resume)
+                except (Interrupted, KeyboardInterrupt) as e:
+                    signum = e.signum if isinstance(e, Interrupted) else 2
+                    raise Interrupted(signum, "interrupted; a --ray run does not resume: re-run with --overwrite")
+                click.echo(f"wrote {rows} x {dim} embeddings to {output}")
+                return
+            summary = run_embed(job, workers=workers, devices=device_list, resume=resume, overwrite=overwrite,
+                                progress=sys.stderr.isatty() if progress is None else progress,
+                                notice=lambda message: click.echo(message, err=True))
     except (CorpusError, WorkflowError, ModelLoadError, RegistryError, RequestError) as e:
         raise click.ClickException(str(e)) from None
+    except Interrupted as e:
+        click.echo(str(e), err=True)
+        sys.exit(e.exit_code)
+    if summary.already_complete:
+        click.echo(f"nothing to do: {output} is complete ({summary.rows} x {summary.dim} embeddings)")
+        return
     resumed = f", {summary.shards_skipped} shard(s) kept from an earlier run" if summary.shards_skipped else ""
     click.echo(f"wrote {summary.rows} x {summary.dim} embeddings to {output}"
                f" ({summary.tokens:,} tokens in {summary.seconds:.1f}s{resumed})")
@@ -200,27 +229,35 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str, id_field: str |
 @click.option("--workflow", "-w", default=None, help="workflow file or name (default: chosen from the model)")
 @click.option("--model", "-m", default=None, help="model folder or cached hub id (default: all-MiniLM-L6-v2)")
 @click.option("--host", default="127.0.0.1", show_default=True, help="bind address (loopback unless told otherwise)")
-@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--port", default=8000, show_default=True, type=int, help="TCP port to listen on")
 @click.option("--api-key", default=None, envvar="WDE_API_KEY", help="require 'Authorization: Bearer KEY'")
 @click.option("--served-model-name", default=None,
               help="name(s) the API answers to, comma separated; the first is reported (default: the model id or"
                    " folder name; its last path component, e.g. all-MiniLM-L6-v2, is always accepted)")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
-@click.option("--max-client-batch-size", default=1024, show_default=True, type=int)
-@click.option("--max-concurrent-requests", default=512, show_default=True, type=int)
-@click.option("--payload-limit", default=2_000_000, show_default=True, type=click.IntRange(min=1),
-              help="largest request body in bytes; larger ones are answered 413")
-@click.option("--trust-remote-code", is_flag=True, default=False)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="override a workflow value, e.g. scheduler.params.max_num_batched_tokens=8192 (repeatable)")
+@click.option("--max-client-batch-size", default=2048, show_default=True, type=click.IntRange(min=1),
+              help="most inputs one request may carry (2048 is OpenAI's own limit); more is answered 422")
+@click.option("--max-concurrent-requests", default=512, show_default=True, type=int,
+              help="HTTP requests inside the engine at once; one more is answered 429 at once, not queued")
+@click.option("--payload-limit", default=None, type=click.IntRange(min=1), metavar="BYTES",
+              help="largest request body in bytes; larger ones are answered 413 (default: a full batch of"
+                   " max-length inputs fits, batch x (max length x 16 + 64) + 64 KiB, at least 2,000,000)")
+@click.option("--trust-remote-code", is_flag=True, default=False,
+              help="allow the model folder's own Python code (auto_map); off unless you trust the model")
 @click.option("--access-log/--no-access-log", default=False, show_default=True, help="log one line per request")
 @click.option("--quantization-ranges", default=None, type=click.Path(exists=True, dir_okay=False),
               help=".npy (2, dim) per-dimension min/max for int8/uint8 embeddings (docs/http_api.md)")
 @click.option("--api-servers", default="auto", show_default=True, metavar="N|auto",
               help="API-server processes in front of an engine core process (0: one process; auto: 0 on a"
                    " CPU-only host, else a quarter of the cores, 1 to 8)")
+@click.option("--token-id-inputs/--no-token-id-inputs", default=True, show_default=True,
+              help="accept inputs given as token ids; --no-token-id-inputs refuses them (422), for clients that send"
+                   " another tokenizer's ids (langchain-openai's OpenAIEmbeddings by default)")
 def serve(workflow: str | None, model: str | None, host: str, port: int, api_key: str | None,
           served_model_name: str | None, overrides: tuple[str, ...], max_client_batch_size: int,
-          max_concurrent_requests: int, payload_limit: int, trust_remote_code: bool, access_log: bool,
-          quantization_ranges: str | None, api_servers: str) -> None:
+          max_concurrent_requests: int, payload_limit: int | None, trust_remote_code: bool, access_log: bool,
+          quantization_ranges: str | None, api_servers: str, token_id_inputs: bool) -> None:
     """Serve a workflow over HTTP (OpenAI, rerank and TEI-compatible routes).
 
     Exits 0 after SIGINT/SIGTERM (requests in flight are finished first), and 3 when the engine loop failed
@@ -235,7 +272,7 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, api_key
                               max_client_batch_size=max_client_batch_size,
                               max_concurrent_requests=max_concurrent_requests, payload_limit=payload_limit,
                               trust_remote_code=trust_remote_code, access_log=access_log,
-                              quantization_ranges=quantization_ranges)
+                              quantization_ranges=quantization_ranges, token_id_inputs=token_id_inputs)
     except ValueError as e:
         hint = "--api-key" if "api_key" in str(e) else "--quantization-ranges" if "quantization" in str(e) else None
         raise click.BadParameter(str(e), param_hint=hint) from None

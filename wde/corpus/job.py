@@ -36,10 +36,19 @@ class EmbedJob(BaseModel):
     prompt_name: str | None = None
     skip_blank: bool = Field(False, description=".txt: skip blank lines instead of refusing them")
     shard_size: int = Field(4096, gt=0, description="records per output shard (the unit of resume)")
+    max_line_bytes: int = Field(16 * 1024 * 1024, gt=0,
+                                description=".jsonl/.txt: refuse a longer line (file:line) without reading it whole")
     workflow: str | None = None
     model: str | None = None
     overrides: tuple[str, ...] = ()
     trust_remote_code: bool = False
+
+    @property
+    def partial(self) -> Path:
+        """Where the run writes until it is complete: `<output>.partial` (a directory of shards, for either
+        format), renamed to `<output>` (or, for .npy, assembled into it) only at the end."""
+        out = Path(self.output)
+        return out.with_name(out.name + ".partial")
 
     @property
     def output_format(self) -> str:
@@ -70,8 +79,9 @@ class EmbedJob(BaseModel):
                 raise CorpusError(f"--input {p}: no such file")
 
     def fingerprint(self) -> dict[str, Any]:
-        """What a resumed run must share with the interrupted one for its finished shards to be reusable."""
-        data = self.model_dump(mode="json", exclude={"output"})
+        """What a resumed run must share with the interrupted one for its finished shards to be reusable (not the
+        line limit: raising it after a refused line does not change a finished shard)."""
+        data = self.model_dump(mode="json", exclude={"output", "max_line_bytes"})
         data["inputs"] = [{"path": os.path.abspath(p), "size": os.stat(p).st_size, "mtime_ns": os.stat(p).st_mtime_ns}
                           for p in self.inputs]
         return data

@@ -5,7 +5,8 @@
                                                                           one actor per GPU
 
 The output is a directory of parquet files with the same columns as the local pipeline (`id`, `embedding`, …)
-plus the same `_wde_manifest.json`. Ray retries failed tasks itself, so there is no `--resume` here.
+plus the same `_wde_manifest.json`, written under `<output>.partial` and renamed to `<output>` when complete.
+Ray retries failed tasks itself, so there is no `--resume` here.
 Needs `pip install "wde[ray]"`.
 """
 
@@ -16,7 +17,7 @@ from typing import Any, Iterator
 
 from wde.corpus.job import CorpusError, EmbedJob
 from wde.corpus.readers import check_inputs
-from wde.corpus.writer import ShardWriter
+from wde.corpus.writer import ShardWriter, publish
 
 def _read_file(batch: Any, job_data: dict) -> Iterator[Any]:
     """A read task: stream one input file's records as Arrow blocks of `shard_size` rows (id, text, file, line),
@@ -28,7 +29,7 @@ def _read_file(batch: Any, job_data: dict) -> Iterator[Any]:
     job = EmbedJob(**job_data)
     for path in batch["path"]:
         block: list = []
-        for r in read_records([str(path)], job.text_field, job.id_field, job.skip_blank):
+        for r in read_records([str(path)], job.text_field, job.id_field, job.skip_blank, job.max_line_bytes):
             block.append(r)
             if len(block) == job.shard_size:
                 yield _block(pa, block)
@@ -90,7 +91,13 @@ def run_ray_embed(job: EmbedJob, address: str | None = None, *, workers: int = 1
         raise CorpusError('--ray needs Ray Data: pip install "wde[ray]" (or "ray[data]>=2.9")') from None
     if not ray.is_initialized():
         ray.init(address=None if address in (None, "", "local") else address, include_dashboard=False)
-    writer = ShardWriter(job.output)
+    from wde.corpus.pipeline import check_output
+
+    check_output(job, resume=False, overwrite=overwrite)
+    if job.partial.exists() and not overwrite:
+        raise CorpusError(f"--output: an interrupted run left {job.partial}; --ray cannot resume it: pass"
+                          " --overwrite to start over")
+    writer = ShardWriter(job.partial)
     writer.open(job.fingerprint(), resume=False, overwrite=overwrite)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     actors, per_actor = (gpus, {"num_gpus": 1}) if gpus else (max(1, workers), {"num_cpus": 1})
@@ -103,7 +110,7 @@ def run_ray_embed(job: EmbedJob, address: str | None = None, *, workers: int = 1
     ds = ds.map_batches(EmbedActor, batch_size=job.shard_size, batch_format="pyarrow", concurrency=actors,
                         fn_constructor_kwargs={"job_data": data, "device": device}, **per_actor)
     try:
-        ds.write_parquet(str(Path(job.output).resolve()))
+        ds.write_parquet(str(writer.directory.resolve()))
     except Exception as e:  # noqa: BLE001 - Ray wraps the task's error; show ours, not Ray's traceback
         found = _corpus_error(e)
         if found is not None:
@@ -111,4 +118,5 @@ def run_ray_embed(job: EmbedJob, address: str | None = None, *, workers: int = 1
         raise
     rows, dim = writer.summary()
     writer.finish(rows, dim)
+    publish(writer.directory, Path(job.output))
     return rows, dim
