@@ -39,6 +39,11 @@ class LazyComponent:
     target: str
     """"package.module:ClassName"."""
     params: type[Params] = Params
+    capabilities: frozenset[str] = frozenset()
+    """For a model: what it needs from its attention backend ("attention_bias", "attention_window"); for an
+    attention backend: what it supports. `wde validate` checks that a workflow's model and backend fit without
+    importing either; keep it equal to the class's `uses_attention_*` / `supports_*` flags (the engine checks those
+    when it builds the model)."""
 
     @property
     def Params(self) -> type[Params]:  # noqa: N802 - the same attribute a component class has
@@ -65,6 +70,22 @@ class LazyComponent:
                 f" {self.kind!r}/{self.name!r}/{self.params.__qualname__}"
             )
         return cls
+
+
+CAPABILITIES = {"attention_bias": ("uses_attention_bias", "supports_bias"),
+                "attention_window": ("uses_attention_window", "supports_window")}
+"""Capability → (the model class flag that needs it, the attention backend class flag that supports it)."""
+
+
+def capabilities_of(component: "type[Component] | LazyComponent") -> frozenset[str]:
+    """What a model needs from its attention backend, or what a backend supports (see `LazyComponent.capabilities`)."""
+    if isinstance(component, LazyComponent):
+        return component.capabilities
+    kind = getattr(component, "kind", None)
+    if kind not in ("model", "attention"):
+        return frozenset()
+    flag = 0 if kind == "model" else 1
+    return frozenset(c for c, flags in CAPABILITIES.items() if getattr(component, flags[flag], False))
 
 
 def load_component(value: type[Component] | LazyComponent) -> type[Component]:

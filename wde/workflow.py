@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from wde.components.base import COMPONENT_KINDS, Component, Params
 from wde.errors import Issue, Location, RegistryError, WorkflowError, did_you_mean
-from wde.registry import LazyComponent, Registry, get_registry, load_component
+from wde.registry import LazyComponent, Registry, capabilities_of, get_registry, load_component
 from wde.yaml_source import KeyPath, YamlBombError, load_yaml_with_locations, locate, safe_load
 
 
@@ -306,9 +306,30 @@ def _resolve_components(layer: _Layer, registry: Registry) -> dict[str, Resolved
                 issues.append(issue)
             continue
         resolved[kind] = ResolvedComponent(kind, ref.name, component, params, entry.plugin)
+    if not issues:
+        issues.extend(_capability_issues(resolved, layer, registry))
     if issues:
         raise WorkflowError(issues)
     return resolved
+
+
+_NEEDS = {"attention_bias": "adds an additive attention bias", "attention_window": "uses local (windowed) attention"}
+
+
+def _capability_issues(resolved: dict[str, ResolvedComponent], layer: _Layer, registry: Registry) -> list[Issue]:
+    """The model's needs that its attention backend does not support, each naming the backends that fit."""
+    model, attention = resolved.get("model"), resolved.get("attention")
+    if model is None or attention is None:
+        return []
+    missing = sorted(capabilities_of(model.component) - capabilities_of(attention.component))
+    if not missing:
+        return []
+    fits = sorted(name for name, entry in registry.components["attention"].items()
+                  if set(missing) <= capabilities_of(entry.value))  # type: ignore[arg-type]
+    needs = " and ".join(_NEEDS.get(m, m) for m in missing)
+    return [Issue(locate(layer.locations, ("attention", "name")), "attention.name",
+                  f"model {model.name!r} {needs}, which attention {attention.name!r} does not support;"
+                  f" attention backends that fit: {', '.join(fits) or 'none'}")]
 
 
 def find_workflow_file(workflow: str | Path, registry: Registry | None = None) -> Path:

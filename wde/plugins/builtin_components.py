@@ -59,8 +59,21 @@ _BUILTINS: tuple[tuple[str, str, str, type[Params]], ...] = (
     ("output_processor", "bge_m3", "bge_m3:BGEM3OutputProcessor", BGEM3OutputParams),
 )
 
+_BIAS, _WINDOW = "attention_bias", "attention_window"
+CAPABILITIES: dict[tuple[str, str], frozenset[str]] = {
+    # what a model needs from its attention backend / what a backend supports (`wde validate` checks they fit;
+    # tests/test_capabilities.py checks each equals the class's uses_attention_* / supports_* flags)
+    ("attention", "auto"): frozenset({_BIAS, _WINDOW}),
+    ("attention", "torch_sdpa"): frozenset({_BIAS, _WINDOW}),
+    ("attention", "triton_varlen"): frozenset({_BIAS, _WINDOW}),
+    ("attention", "cpu_varlen"): frozenset({_WINDOW}),
+    ("model", "mpnet"): frozenset({_BIAS}),
+    ("model", "modernbert"): frozenset({_WINDOW}),
+}
+
 BUILTIN_COMPONENTS: tuple[LazyComponent, ...] = tuple(
-    LazyComponent(kind, name, f"wde.components.{target}", params) for kind, name, target, params in _BUILTINS
+    LazyComponent(kind, name, f"wde.components.{target}", params, CAPABILITIES.get((kind, name), frozenset()))
+    for kind, name, target, params in _BUILTINS
 )
 
 

@@ -17,7 +17,9 @@ WORKFLOWS_DIR = Path(__file__).parent / "workflows"
 
 @hookimpl
 def register_components(register: Callable[[LazyComponent], None]) -> None:
-    register(LazyComponent("model", "t5_encoder", "wde_plugin_t5.model:T5EncoderModel", ModelParams))
+    # capabilities: it adds a relative position bias, so `wde validate` can check the attention backend fits
+    register(LazyComponent("model", "t5_encoder", "wde_plugin_t5.model:T5EncoderModel", ModelParams,
+                           frozenset({"attention_bias"})))
     register(LazyComponent("pooler", "sentence_dense", "wde_plugin_t5.pooler:SentenceDensePooler", DensePoolerParams))
 
 

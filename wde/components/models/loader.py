@@ -40,7 +40,8 @@ def _target_name(name: str, prefixes: tuple[str, ...], renames: Mapping[str, str
 def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], prefixes: tuple[str, ...],
                  packed: dict[str, tuple[str, int]], renames: Mapping[str, str] | None = None) -> None:
     """Copy checkpoint tensors into `module`'s parameters; checkpoint tensors the module lacks are heads or
-    buffers other components load (or nobody needs) and are skipped. Every parameter must be filled.
+    buffers other components load (or nobody needs) and are skipped. Every parameter must be filled: the error
+    names the unfilled parameters and the checkpoint tensors left unused (each with the name it was mapped to).
 
     A checkpoint name is mapped in three steps: the first matching prefix in `prefixes` is stripped, `renames`
     are applied (see `rename`), then `packed` maps a separate projection onto its shard of a fused parameter.
@@ -50,6 +51,7 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     """
     params = dict(module.named_parameters())
     filled: dict[str, int] = {}
+    unused: list[str] = []
     for raw_name, tensor in weights:
         name = _target_name(raw_name, prefixes, renames or {})
         shard = None
@@ -60,6 +62,7 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 break
         param = params.get(name)
         if param is None:
+            unused.append(raw_name if name == raw_name else f"{raw_name} (as {name})")
             continue
         with torch.no_grad():
             if shard is None:
@@ -75,8 +78,12 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 filled[name] = filled.get(name, 0) + 1
     missing = [n for n, p in params.items() if filled.get(n, 0) < len(getattr(p, "shard_offsets", {None: 0}))]
     if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise ModelLoadError(f"checkpoint lacks weights for {shown}")
+        raise ModelLoadError(f"checkpoint lacks weights for {_shown(missing)}; checkpoint tensors left unused:"
+                             f" {_shown(unused) if unused else 'none'} (a missing prefix or rename?)")
+
+
+def _shown(names: list[str], at_most: int = 8) -> str:
+    return ", ".join(names[:at_most]) + (f" and {len(names) - at_most} more" if len(names) > at_most else "")
 
 
 def fused_linear(in_features: int, sizes: list[int], bias: bool) -> nn.Linear:
