@@ -71,6 +71,7 @@ _PUBLIC: dict[str, str] = {
     "RotaryEmbedding": "wde.components.models.rotary",
     "apply_rotary": "wde.components.models.rotary",
     "fused_linear": "wde.components.models.loader",
+    "ConfigView": "wde.components.models.config_view",
     "load_weights": "wde.components.models.loader",
     "add_layer_norm": "wde.components.models.fused",
     "add_rms_norm": "wde.components.models.fused",

@@ -1,7 +1,8 @@
 """Decoder-only transformer layers over packed tokens (Llama, Mistral, Qwen2), and the stack they share.
 
 Packed tokens carry their own 0-based position within their sequence (`ModelInput.positions`), so rotary
-embeddings are looked up per token and no padding is ever made. q|k|v and gate|up are fused projections:
+embeddings (wde/components/models/rotary.py; `RotaryEmbedding` and `apply_rotary` stay importable from here) are
+looked up per token and no padding is ever made. q|k|v and gate|up are fused projections:
 one GEMM each instead of three and two.
 """
 
@@ -19,10 +20,8 @@ from wde.components.model_input_builder import ModelInput
 from wde.components.models.base import ModelParams, PrefillModel
 from wde.components.models.fused import add_rms_norm
 from wde.components.models.loader import fused_linear
+from wde.components.models.rotary import STATIC_ROPE_TYPES, RotaryEmbedding, apply_rotary  # noqa: F401 (re-exported)
 from wde.errors import ModelLoadError
-
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-"""RoPE variants whose frequencies do not depend on the sequence length (dynamic/longrope ones do)."""
 
 
 class RMSNorm(nn.Module):
@@ -36,38 +35,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): fused into one kernel on CUDA."""
         return add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary position embedding: cos/sin computed once per batch from each token's position."""
-
-    def __init__(self, cfg: object, head_dim: int) -> None:
-        super().__init__()
-        rope = dict(getattr(cfg, "rope_parameters", None) or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in STATIC_ROPE_TYPES:
-            raise ModelLoadError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}")
-        if rope_type == "default":
-            theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-            self.attention_scaling = 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [tokens, 1, head_dim], broadcast over heads."""
-        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [tokens, heads, head_dim] by the per-token angles (halves rotated, not interleaved pairs)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class DecoderAttention(nn.Module):
@@ -188,7 +155,7 @@ class DecoderModel(PrefillModel):
         self.layers = nn.ModuleList(self.layer_cls(cfg, self.attn_backend, biases, mlp_bias)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg, self.layers[0].self_attn.head_dim)
+        self.rotary_emb = RotaryEmbedding.from_config(cfg, self.layers[0].self_attn.head_dim)
 
     def forward(self, batch: ModelInput) -> torch.Tensor:
         meta = self.attn_backend.build_metadata(batch, self.causal)

@@ -13,33 +13,20 @@ would (a checkpoint without it is refused by the loader, naming the parameter).
 
 from __future__ import annotations
 
-from typing import Any
 
 from torch import nn
 
 from wde.components.models.bert import BertEmbeddings, BertModel
 from wde.errors import ModelLoadError
+from wde.components.models.config_view import ConfigView
 
 LAYER_NORM_EPS = 1e-12
 """transformers' DistilBERT hard-codes it in every LayerNorm."""
 
 
-class BertNamedConfig:
-    """A config read through BERT's attribute names: `names` first, then the wrapped config."""
-
-    def __init__(self, cfg: object, **names: Any) -> None:
-        self._cfg = cfg
-        self.__dict__.update(names)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_cfg":  # not yet set (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self._cfg, name)
-
-
-def bert_view(cfg: object) -> BertNamedConfig:
+def bert_view(cfg: object) -> ConfigView:
     """A DistilBertConfig as the BERT blocks read a config."""
-    return BertNamedConfig(cfg, hidden_size=cfg.dim, num_attention_heads=cfg.n_heads, num_hidden_layers=cfg.n_layers,
+    return ConfigView(cfg, hidden_size=cfg.dim, num_attention_heads=cfg.n_heads, num_hidden_layers=cfg.n_layers,
                            intermediate_size=cfg.hidden_dim, hidden_act=cfg.activation, layer_norm_eps=LAYER_NORM_EPS,
                            type_vocab_size=0)
 
