@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from wde.components.base import Params
+from wde.components.input_processor import TextInputParams
+from wde.components.request_processor import LazyTokenizeParams
 
 CpuLinear = Literal["auto", "torch", "onednn"]
 """How a model's linear layers run on CPU (wde/components/models/cpu_linear.py)."""
@@ -66,6 +68,22 @@ class BGEM3OutputParams(Params):
     """Key the lexical weights by token id (FlagEmbedding's `lexical_weights`) or by token string."""
 
 
+class SpladePoolerParams(Params):
+    pooling_strategy: Literal["auto", "max", "sum"] = "auto"
+    """How each vocabulary entry's per-token weights become one: max (SPLADE v2 and later) or sum; auto: the
+    folder's SpladePooling config (max when the folder has none)."""
+    activation_function: Literal["auto", "relu", "log1p_relu"] = "auto"
+    """Per token: log(1 + relu(logit)), or log(1 + log(1 + relu(logit))) (OpenSearch's); auto: the folder's."""
+    max_active_dims: int | None = Field(None, ge=1, description=(
+        "keep only the N largest weights of each input; default: config_sentence_transformers.json's"
+        " max_active_dims, else all"))
+
+
+class SparseOutputParams(Params):
+    sparse_keys: Literal["ids", "tokens"] = "ids"
+    """Key the sparse weights by token id (TEI's /embed_sparse needs ids) or by token string."""
+
+
 class YesNoScorerParams(Params):
     yes_token: str = Field("yes", min_length=1, description="vocabulary token whose logit means 'relevant'")
     no_token: str = Field("no", min_length=1, description="vocabulary token whose logit means 'not relevant'")
@@ -88,3 +106,38 @@ class TorchRunnerParams(Params):
         if isinstance(v, int) and v < 1:
             raise ValueError("cpu_streams must be 'auto' or an integer >= 1")
         return v
+
+
+class ImageTextInputParams(TextInputParams):
+    """`image_text_input`: `text_input`'s params, plus the limits and options of image inputs
+    (wde/components/image_input.py, docs/images.md)."""
+
+    max_image_bytes: int = Field(20 * 2**20, gt=0, description=(
+        "refuse an encoded image (file bytes; a base64 string counts its decoded size) larger than this"))
+    max_image_pixels: int = Field(50_000_000, gt=0, description=(
+        "refuse an image whose width x height exceeds this, read from its header before any pixel is decoded (a"
+        " decompression bomb: a small file that decodes to gigabytes); Pillow's own guard, which refuses twice its"
+        " Image.MAX_IMAGE_PIXELS, stays in force too"))
+    allow_local_paths: bool = Field(False, description=(
+        "accept a local file path as {'image': '/path/to/file'} (wde embed turns it on; a server never should)."
+        " A pathlib.Path object, which only Python code can make, is always accepted"))
+    exif_transpose: bool = Field(True, description=(
+        "turn a photo upright by its EXIF orientation tag first, as transformers' load_image does"))
+    workers: int | Literal["auto"] = Field("auto", description=(
+        "threads that decode and preprocess the images of one Engine.encode call at once; auto: the CPU count,"
+        " at most 4"))
+
+
+class ImageTextRequestParams(LazyTokenizeParams):
+    """`image_text`: `lazy_tokenize`'s params, plus how texts are padded for the text tower."""
+
+    pad_text: Literal["none", "max_length"] = Field("none", description=(
+        "max_length: pad every text's token ids to the max length with the pad token, as SigLIP was trained and as"
+        " its processor is used (padding='max_length'): its text tower attends to the padding and pools the last"
+        " position"))
+
+
+class ProjectedPoolerParams(Params):
+    normalize: bool = True
+    """Default L2 normalization of the embeddings (a request's `normalize` overrides it); the model's own
+    image-text similarity (CLIPModel / SiglipModel forward) normalizes both sides."""

@@ -13,8 +13,10 @@ from typing import Callable
 from wde.components.base import Params
 from wde.components.executor import ThreadExecutorParams
 from wde.components.input_processor import TextInputParams
+from wde.components.params import ImageTextInputParams, ImageTextRequestParams, ProjectedPoolerParams
 from wde.components.params import (AttentionParams, BGEM3OutputParams, BGEM3PoolerParams, ClassifierParams, ModelParams,
-                                   SentencePoolerParams, TorchRunnerParams, YesNoScorerParams)
+                                   SentencePoolerParams, SparseOutputParams, SpladePoolerParams, TorchRunnerParams,
+                                   YesNoScorerParams)
 from wde.components.request_processor import LazyTokenizeParams
 from wde.components.reranker_prompt import AffixTokenizerParams, InstructionPairParams
 from wde.components.scheduler import FCFSParams
@@ -28,9 +30,12 @@ _BUILTINS: tuple[tuple[str, str, str, type[Params]], ...] = (
     ("tokenizer", "affix_tokenizer", "reranker_prompt:AffixTokenizer", AffixTokenizerParams),
     ("input_processor", "text_input", "input_processor:TextInputProcessor", TextInputParams),
     ("input_processor", "instruction_pair", "reranker_prompt:InstructionPairInput", InstructionPairParams),
+    ("input_processor", "image_text_input", "image_input:ImageTextInputProcessor", ImageTextInputParams),
     ("request_processor", "lazy_tokenize", "request_processor:LazyTokenizeRequestProcessor", LazyTokenizeParams),
+    ("request_processor", "image_text", "multimodal:ImageTextRequestProcessor", ImageTextRequestParams),
     ("scheduler", "fcfs", "scheduler:FCFSScheduler", FCFSParams),
     ("model_input_builder", "packed", "model_input_builder:PackedInputBuilder", Params),
+    ("model_input_builder", "packed_multimodal", "multimodal:MultimodalInputBuilder", Params),
     ("attention", "auto", "attention.auto:AutoBackend", AttentionParams),
     ("attention", "torch_sdpa", "attention.torch_sdpa:TorchSDPABackend", AttentionParams),
     ("attention", "cpu_varlen", "attention.cpu_varlen:CpuVarlenBackend", AttentionParams),
@@ -47,9 +52,16 @@ _BUILTINS: tuple[tuple[str, str, str, type[Params]], ...] = (
     ("model", "distilbert", "models.distilbert:DistilBertModel", ModelParams),
     ("model", "mpnet", "models.mpnet:MPNetModel", ModelParams),
     ("model", "modernbert", "models.modernbert:ModernBertModel", ModelParams),
+    ("model", "clip", "models.clip:ClipModel", ModelParams),
+    ("model", "siglip", "models.clip:SiglipModel", ModelParams),
+    ("model", "gemma3", "models.gemma3:Gemma3TextModel", ModelParams),
+    ("model", "bert_mlm", "models.bert_mlm:BertForMaskedLM", ModelParams),
+    ("model", "deberta_v2", "models.deberta_v2:DebertaV2Model", ModelParams),
     ("pooler", "sentence", "pooler:SentencePooler", SentencePoolerParams),
+    ("pooler", "projected", "multimodal:ProjectedPooler", ProjectedPoolerParams),
     ("pooler", "sentence_tokens", "token_states:SentenceTokensPooler", SentencePoolerParams),
     ("pooler", "bge_m3", "bge_m3:BGEM3Pooler", BGEM3PoolerParams),
+    ("pooler", "splade", "splade:SpladePooler", SpladePoolerParams),
     ("pooler", "classifier", "classifier:ClassifierPooler", ClassifierParams),
     ("pooler", "yes_no_score", "causal_lm_scorer:YesNoScorer", YesNoScorerParams),
     ("runner", "torch", "runner:TorchRunner", TorchRunnerParams),
@@ -57,6 +69,7 @@ _BUILTINS: tuple[tuple[str, str, str, type[Params]], ...] = (
     ("executor", "thread", "executor:ThreadExecutor", ThreadExecutorParams),
     ("output_processor", "embedding", "output_processor:EmbeddingOutputProcessor", Params),
     ("output_processor", "bge_m3", "bge_m3:BGEM3OutputProcessor", BGEM3OutputParams),
+    ("output_processor", "sparse", "splade:SparseOutputProcessor", SparseOutputParams),
 )
 
 _BIAS, _WINDOW = "attention_bias", "attention_window"
@@ -69,6 +82,8 @@ CAPABILITIES: dict[tuple[str, str], frozenset[str]] = {
     ("attention", "cpu_varlen"): frozenset({_WINDOW}),
     ("model", "mpnet"): frozenset({_BIAS}),
     ("model", "modernbert"): frozenset({_WINDOW}),
+    ("model", "gemma3"): frozenset({_WINDOW}),
+    ("model", "deberta_v2"): frozenset({_BIAS}),
 }
 
 BUILTIN_COMPONENTS: tuple[LazyComponent, ...] = tuple(

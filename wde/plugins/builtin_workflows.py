@@ -38,6 +38,11 @@ DEFAULT_ARCHITECTURES: dict[str, str] = {
     "DistilBertModel": "distilbert",
     "DistilBertForSequenceClassification": "distilbert_sequence_classification",
     "MPNetModel": "mpnet",
+    "CLIPModel": "clip",
+    "SiglipModel": "siglip",
+    "Gemma3TextModel": "embeddinggemma",
+    "DebertaV2Model": "deberta_v2",
+    "DebertaV2ForSequenceClassification": "deberta_v2_sequence_classification",
 }
 
 
@@ -68,9 +73,37 @@ class EmbedderIfSentenceTransformers:
         return f"{self.embedder} (with a sentence-transformers config; else --workflow {'|'.join(self.others)})"
 
 
+@dataclass(frozen=True)
+class SpladeIfSparseEncoder:
+    """Picks SPLADE for a masked-LM architecture (BertForMaskedLM is any BERT masked LM, not only SPLADE's) when
+    the folder is a sentence-transformers SparseEncoder of the SPLADE kind (MLMTransformer or a fill-mask
+    Transformer, then SpladePooling); any other folder is an error saying why and naming --workflow."""
+
+    architecture: str
+    workflow: str = "splade"
+
+    def __call__(self, source: "ModelSource") -> str:
+        from wde.components.sparse_encoder import sparse_encoder_problem  # torch-free
+
+        problem = sparse_encoder_problem(source)
+        if problem is None:
+            return self.workflow
+        raise RegistryError(
+            f"{source.path} declares {self.architecture}, a masked-LM checkpoint, which WDE serves only as SPLADE"
+            f" sparse embeddings (workflow {self.workflow}); that is picked only for a sentence-transformers"
+            " SparseEncoder folder (modules.json: MLMTransformer, or a Transformer with transformer_task"
+            f" 'fill-mask', then SpladePooling), and {problem}. Pass --workflow {self.workflow} to serve it as SPLADE"
+            f" anyway (max over tokens of log(1 + relu(logits))); in Python: Engine.from_workflow({self.workflow!r},"
+            " model)")
+
+    def __str__(self) -> str:
+        return f"{self.workflow} (with a sentence-transformers SparseEncoder config; else --workflow {self.workflow})"
+
+
 FOLDER_ARCHITECTURES = (
     EmbedderIfSentenceTransformers("Qwen3ForCausalLM", "qwen3_embedding", ("qwen3_reranker",),
                                    "a Qwen3-Reranker checkpoint"),
+    SpladeIfSparseEncoder("BertForMaskedLM"),
 )
 """Architectures whose workflow depends on the model folder's files."""
 
