@@ -105,6 +105,34 @@ class ModernBertClassificationHead(nn.Module):
         return self.classifier(self.head.norm(self.act(self.head.dense(x))))
 
 
+class DebertaV2ClassificationHead(nn.Module):
+    """DebertaV2ForSequenceClassification: classifier(act(pooler.dense(CLS))), act = `pooler_hidden_act`
+    (transformers' ContextPooler; gelu by default)."""
+
+    prefixes: ClassVar[tuple[str, ...]] = ()
+    tensor_prefixes: ClassVar[tuple[str, ...]] = ("pooler.", "classifier.")
+
+    def __init__(self, cfg: object) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        hidden = int(cfg.hidden_size)
+        pooler_size = int(getattr(cfg, "pooler_hidden_size", None) or hidden)
+        if pooler_size != hidden:
+            raise ModelLoadError(f"DeBERTa-v2 config pooler_hidden_size {pooler_size} != hidden_size {hidden}:"
+                                 " transformers' ContextPooler reads the first token's hidden state with it")
+        self.pooler = _Dense(hidden)
+        self.act = ACT2FN[getattr(cfg, "pooler_hidden_act", "gelu") or "gelu"]
+        self.classifier = nn.Linear(hidden, int(cfg.num_labels))
+
+    @classmethod
+    def from_config(cls, cfg: object) -> "DebertaV2ClassificationHead":
+        return cls(cfg)
+
+    def forward(self, cls_state: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.act(self.pooler.dense(cls_state)))
+
+
 HEADS: dict[str, type[nn.Module]] = {
     "bert": BertClassificationHead,
     "distilbert": DistilBertClassificationHead,
@@ -112,6 +140,7 @@ HEADS: dict[str, type[nn.Module]] = {
     "xlm-roberta": RobertaClassificationHead,
     "camembert": RobertaClassificationHead,
     "modernbert": ModernBertClassificationHead,
+    "deberta-v2": DebertaV2ClassificationHead,
 }
 """config.model_type → the head its *ForSequenceClassification class puts on the encoder."""
 
