@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -391,8 +392,10 @@ class Engine:
     def embed(self, texts: str | Sequence[Any], *, normalize: bool | None = None, truncate: bool = False,
               truncation_direction: str = "right", prompt_name: str | None = None,
               dimensions: int | None = None, progress: bool = False) -> np.ndarray:
-        """Dense embeddings, one row per input (a 1-D array for a single string)."""
-        single = isinstance(texts, str)
+        """Dense embeddings, one row per input (a 1-D array for a single string, or a single image where the
+        workflow takes images: bytes, a PIL image, a path or an `{"image": ...}` mapping; docs/images.md)."""
+        single = isinstance(texts, (str, bytes, bytearray, memoryview, os.PathLike, Mapping)) \
+            or hasattr(texts, "getbands")  # a PIL image
         items = [texts] if single else list(texts)
         params = PoolingParams(truncate=truncate, truncation_direction=truncation_direction,  # type: ignore[arg-type]
                                normalize=normalize, prompt_name=prompt_name, dimensions=dimensions)

@@ -73,8 +73,9 @@ class RequestError(ValueError):
     """A request was rejected: the message names the field and the limit.
 
     `kind` says whose fault and how the server answers: "validation" (422), "empty" (400), "encoding" (400: the
-    text is not valid Unicode), "too_long" (422), or "internal" (500: ours, not the input's; the message then
-    carries no internals, only the request id, and the log has the traceback).
+    text is not valid Unicode), "too_long" (422), "bad_image" (not an image, truncated, unsupported mode, a URL:
+    docs/images.md), "image_too_large" (over the image byte or pixel limit), or "internal" (500: ours, not the
+    input's; the message then carries no internals, only the request id, and the log has the traceback).
     """
 
     def __init__(self, message: str, field: str | None = None, kind: str = "validation"):

@@ -29,7 +29,21 @@ class TokensPrompt:
     """Segment ids of an already tokenized pair (an API server of a split engine tokenizes before the core)."""
 
 
-Prompt = Union[TextPrompt, PairPrompt, TokensPrompt]
+@dataclass(frozen=True, eq=False)
+class ImagePrompt:
+    """An image, checked when it was admitted (limits, format, size and mode read from its header:
+    wde/components/image_input.py) but not yet decoded: like a text's tokens, its pixels are made when the scheduler
+    picks it. `data` is the encoded file (bytes), a PIL image, or pixel values already preprocessed (a float32
+    numpy array [channels, height, width]); the vision tower reads it as one sequence of `num_tokens` tokens
+    (patches, plus a class token where the model has one). `pixels`: width x height (0 when already
+    preprocessed)."""
+
+    data: Any
+    num_tokens: int
+    pixels: int = 0
+
+
+Prompt = Union[TextPrompt, PairPrompt, TokensPrompt, ImagePrompt]
 
 
 @dataclass(frozen=True)
@@ -68,10 +82,14 @@ class SchedulableRequest:
     request: Request
     token_ids: list[int]
     token_type_ids: list[int] | None = None
+    pixel_values: Any = None
+    """An image request's pixels (`ImagePrompt.pixel_values`); its `token_ids` are then empty."""
+    image_tokens: int = 0
+    """An image request's sequence length in the vision tower (what it counts against the token budget)."""
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) if self.pixel_values is None else self.image_tokens
 
 
 @dataclass

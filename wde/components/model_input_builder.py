@@ -28,6 +28,11 @@ class ModelInput:
     max_seqlen: int
     token_type_ids: torch.Tensor | None = None
     pooling_params: list[PoolingParams] = field(default_factory=list)
+    pixel_values: torch.Tensor | None = None
+    """Multimodal batches only: the images' pixels [num_images, channels, height, width], in batch order."""
+    image_mask: list[bool] | None = None
+    """Multimodal batches only: whether sequence i is an image (its `input_ids` are placeholders then, and its
+    pixels are row `sum(image_mask[:i])` of `pixel_values`); None: every sequence is text."""
 
     @property
     def num_seqs(self) -> int:
@@ -41,7 +46,44 @@ class ModelInput:
         nb = torch.device(device).type == "cuda"
         move = lambda t: None if t is None else t.to(device, non_blocking=nb)  # noqa: E731
         return replace(self, input_ids=move(self.input_ids), positions=move(self.positions),
-                       cu_seqlens=move(self.cu_seqlens), token_type_ids=move(self.token_type_ids))
+                       cu_seqlens=move(self.cu_seqlens), token_type_ids=move(self.token_type_ids),
+                       pixel_values=move(self.pixel_values))
+
+    @property
+    def has_images(self) -> bool:
+        return self.image_mask is not None and any(self.image_mask)
+
+    def select(self, seqs: list[int]) -> "ModelInput":
+        """The batch of sequences `seqs` (indices, in that order), packed anew (a copy; `split` makes views)."""
+        lens = [self.seq_lens[i] for i in seqs]
+        starts = self.cu_seqlens[:-1].tolist()
+        dev = self.input_ids.device
+        index = torch.cat([torch.arange(starts[i], starts[i] + self.seq_lens[i], device=dev) for i in seqs])
+        cu = torch.zeros(len(seqs) + 1, dtype=self.cu_seqlens.dtype, device=self.cu_seqlens.device)
+        torch.cumsum(torch.tensor(lens, device=cu.device), 0, out=cu[1:])
+        pixels, mask = None, None
+        if self.image_mask is not None:
+            mask = [self.image_mask[i] for i in seqs]
+            if self.pixel_values is not None and any(mask):
+                rows = list(itertools.accumulate(self.image_mask, initial=0))
+                pixels = self.pixel_values[torch.tensor([rows[i] for i in seqs if self.image_mask[i]],
+                                                        device=self.pixel_values.device)]
+        return ModelInput(self.input_ids[index], self.positions[index], cu, lens, max(lens),
+                          None if self.token_type_ids is None else self.token_type_ids[index],
+                          [self.pooling_params[i] for i in seqs] if self.pooling_params else [], pixels, mask)
+
+    def by_modality(self) -> tuple[tuple[list[int], "ModelInput"] | None, tuple[list[int], "ModelInput"] | None]:
+        """(text, images): each the indices of its sequences in this batch and the batch of just those (None when
+        there are none), so a model with a tower per modality runs each on its own batch and puts its results back
+        in batch order. A text-only batch is returned whole, without a copy."""
+        if not self.has_images:
+            return (list(range(self.num_seqs)), self), None
+        assert self.image_mask is not None
+        if all(self.image_mask):
+            return None, (list(range(self.num_seqs)), self)
+        text = [i for i, image in enumerate(self.image_mask) if not image]
+        images = [i for i, image in enumerate(self.image_mask) if image]
+        return (text, self.select(text)), (images, self.select(images))
 
     def split(self, parts: int) -> list["ModelInput"]:
         """At most `parts` batches of whole, adjacent sequences with about equal token counts, in order.
@@ -59,12 +101,19 @@ class ModelInput:
                 i -= 1
             bounds.append(min(max(i, bounds[-1] + 1), self.num_seqs - (parts - p)))
         bounds.append(self.num_seqs)
+        images = list(itertools.accumulate(self.image_mask, initial=0)) if self.image_mask is not None else None
         pieces = []
         for s0, s1 in zip(bounds, bounds[1:]):
             t0, t1, lens = cu[s0], cu[s1], self.seq_lens[s0:s1]
+            pixels = mask = None
+            if images is not None:
+                mask = self.image_mask[s0:s1]  # type: ignore[index]
+                if self.pixel_values is not None:
+                    pixels = self.pixel_values[images[s0]:images[s1]]
             pieces.append(ModelInput(
                 self.input_ids[t0:t1], self.positions[t0:t1], self.cu_seqlens[s0:s1 + 1] - t0, lens, max(lens),
-                None if self.token_type_ids is None else self.token_type_ids[t0:t1], self.pooling_params[s0:s1]))
+                None if self.token_type_ids is None else self.token_type_ids[t0:t1], self.pooling_params[s0:s1],
+                pixels, mask))
         return pieces
 
 

@@ -8,7 +8,7 @@ Components whose modules are torch-free keep their params beside their code (tok
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
@@ -123,13 +123,17 @@ class ImageTextInputParams(TextInputParams):
         " A pathlib.Path object, which only Python code can make, is always accepted"))
     exif_transpose: bool = Field(True, description=(
         "turn a photo upright by its EXIF orientation tag first, as transformers' load_image does"))
-    workers: int | Literal["auto"] = Field("auto", description=(
-        "threads that decode and preprocess the images of one Engine.encode call at once; auto: the CPU count,"
-        " at most 4"))
 
 
 class ImageTextRequestParams(LazyTokenizeParams):
-    """`image_text`: `lazy_tokenize`'s params, plus how texts are padded for the text tower."""
+    """`image_text`: `lazy_tokenize`'s params, plus how images are decoded and texts padded for the text tower."""
+
+    workers: Annotated[int, Field(ge=1)] | Literal["auto"] = Field("auto", description=(
+        "threads that decode and preprocess the images the scheduler picks, at once (Pillow releases the"
+        " interpreter lock while it decodes and resizes); auto: the CPU count, at most 4"))
+    background_image_pixels: int = Field(4_000_000, ge=0, description=(
+        "images with more pixels than this (width x height) are decoded on the scheduler's background thread, so"
+        " one large photo never stalls the batches of others; 0 decodes every image with its batch"))
 
     pad_text: Literal["none", "max_length"] = Field("none", description=(
         "max_length: pad every text's token ids to the max length with the pad token, as SigLIP was trained and as"

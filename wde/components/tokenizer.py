@@ -69,6 +69,8 @@ class HFTokenizer(Component):
         limits.append(st.get("max_seq_length"))
         limits.append(self._tok.model_max_length if self._tok.model_max_length < 10**9 else None)
         max_pos = getattr(cfg, "max_position_embeddings", None)
+        if max_pos is None and hasattr(cfg, "get_text_config"):  # a two-tower config (CLIP, SigLIP): the text tower's
+            max_pos = getattr(cfg.get_text_config(), "max_position_embeddings", None)
         if max_pos is not None:
             offset = params.position_offset if params.position_offset is not None else self.position_offset(cfg)
             limits.append(max_pos - offset)

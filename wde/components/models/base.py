@@ -71,6 +71,9 @@ class PrefillModel(nn.Module, Component):
     default_causal: ClassVar[bool] = False
     uses_attention_bias: ClassVar[bool] = False
     uses_attention_window: ClassVar[bool] = False
+    pools: ClassVar[bool] = False
+    """True for a model whose `forward` returns one pooled embedding per sequence ([num_seqs, dim]) instead of token
+    states, with its width as `embedding_size` (two-tower CLIP / SigLIP; the `projected` pooler takes it)."""
 
     def __init__(self, params: ModelParams, ctx: BuildContext) -> None:
         nn.Module.__init__(self)

@@ -1,0 +1,171 @@
+"""Tiny random CLIP and SigLIP folders (model, tokenizer and image processor saved together), and generated images
+of odd sizes and modes for the preprocessing tests. No weights are committed: everything is built in seconds."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from tests.tiny_models import corpus
+
+CAPTIONS = ["a red square on white", "a blue circle in the dark", "green stripes across the field"]
+
+
+def clip_tokenizer():
+    """A byte-level BPE trained on the tiny corpus with CLIP's normalizer and pre-tokenizer, wrapped in
+    transformers' CLIPTokenizer (which rebuilds CLIP's pipeline around the vocabulary and merges)."""
+    from transformers import CLIPTokenizer
+
+    bos, eos = "<|startoftext|>", "<|endoftext|>"
+    tk = Tokenizer(models.BPE(continuing_subword_prefix="", end_of_word_suffix="</w>", unk_token=eos))
+    tk.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
+                                          normalizers.Lowercase()])
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|"""
+                                   r"""[^\s\p{L}\p{N}]+"""), behavior="removed", invert=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tk.train_from_iterator(corpus() + CAPTIONS * 5, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=[bos, eos], end_of_word_suffix="</w>",
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model = json.loads(tk.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    return CLIPTokenizer(vocab=model["vocab"], merges=merges, model_max_length=40)
+
+
+def siglip_tokenizer():
+    """A Unigram tokenizer (SentencePiece style: lowercase, Metaspace) appending `</s>`, with `</s>` as the pad
+    token as SigLIP's has, as a fast tokenizer (SigLIP's own class needs the sentencepiece package)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.Unigram())
+    tk.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.train_from_iterator(corpus() + CAPTIONS * 5, trainers.UnigramTrainer(
+        vocab_size=300, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"))
+    tk.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tk.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", pad_token="</s>", unk_token="<unk>",
+                                   model_max_length=32)
+
+
+def _jitter(model: torch.nn.Module, seed: int) -> None:
+    """Random norms, biases and class/probe vectors too (a default init leaves LayerNorms at 1/0, which would hide
+    a norm or a bias that is skipped)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def build_clip(folder: Path, *, eos_token_id: int | None = None, text_hidden: int = 32, vision_hidden: int = 32,
+               act: str = "quick_gelu") -> Path:
+    from transformers import CLIPConfig, CLIPModel
+
+    tok = clip_tokenizer()
+    cfg = CLIPConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=text_hidden, intermediate_size=2 * text_hidden,
+                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=40, hidden_act=act,
+                         bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id if eos_token_id is None else eos_token_id),
+        vision_config=dict(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=30, patch_size=6, hidden_act=act),
+        projection_dim=24)
+    cfg.architectures = ["CLIPModel"]
+    torch.manual_seed(0)
+    model = CLIPModel(cfg).eval()
+    _jitter(model, 1)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "CLIPImageProcessor", "do_resize": True, "size": {"shortest_edge": 30},
+        "resample": 3, "do_center_crop": True, "crop_size": {"height": 30, "width": 30}, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True}))
+    return folder
+
+
+def build_siglip(folder: Path) -> Path:
+    from transformers import SiglipConfig, SiglipModel
+
+    tok = siglip_tokenizer()
+    cfg = SiglipConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=32, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id, bos_token_id=None, projection_size=32),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=30, patch_size=6))
+    cfg.architectures = ["SiglipModel"]
+    torch.manual_seed(0)
+    model = SiglipModel(cfg).eval()
+    _jitter(model, 2)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "SiglipImageProcessor", "do_resize": True, "size": {"height": 30, "width": 30},
+        "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}))
+    return folder
+
+
+# -- images --------------------------------------------------------------------------------------------------------
+
+def gradient(width: int, height: int, seed: int = 0) -> np.ndarray:
+    """[height, width, 3] uint8: smooth gradients plus noise, so resizing has something to get wrong."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 / max(width - 1, 1), y * 255 / max(height - 1, 1), (x + y) % 256], axis=-1)
+    return np.clip(base + rng.normal(0, 25, base.shape), 0, 255).astype(np.uint8)
+
+
+def image_of_mode(mode: str, width: int, height: int, seed: int = 0):
+    """A PIL image of `mode` (RGB, RGBA, L, LA, P, P with transparency, CMYK, I;16, 1, YCbCr) and this size."""
+    from PIL import Image
+
+    rgb = Image.fromarray(gradient(width, height, seed))
+    if mode == "RGBA":
+        alpha = Image.fromarray(gradient(width, height, seed + 1)[..., 0])
+        out = rgb.copy()
+        out.putalpha(alpha)
+        return out
+    if mode == "LA":
+        out = rgb.convert("L").convert("LA")
+        out.putalpha(Image.fromarray(gradient(width, height, seed + 1)[..., 1]))
+        return out
+    if mode == "P+transparency":
+        out = rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=32)
+        out.info["transparency"] = 3
+        return out
+    if mode == "I;16":
+        values = gradient(width, height, seed)[..., 0].astype("<u2") * 2  # half of it over 255 (Pillow clips those)
+        return Image.fromarray(values)
+    if mode == "P":
+        return rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=64)
+    return rgb.convert(mode)
+
+
+def encoded(image, fmt: str = "PNG", **kwargs) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, fmt, **kwargs)
+    return buf.getvalue()
+
+
+def scene(kind: int, size: int = 37):
+    """Three easily told apart pictures for the search example: a red square, a blue disc, green stripes."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (size, size + 5), "white")
+    draw = ImageDraw.Draw(image)
+    if kind == 0:
+        draw.rectangle([8, 8, size - 8, size - 4], fill="red")
+    elif kind == 1:
+        image.paste("black", (0, 0, size, size + 5))
+        draw.ellipse([6, 8, size - 6, size - 2], fill="blue")
+    else:
+        for x in range(0, size, 6):
+            draw.rectangle([x, 0, x + 2, size + 5], fill="green")
+    return image

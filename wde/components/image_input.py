@@ -1,0 +1,457 @@
+"""Image inputs for two-tower embedders (CLIP, SigLIP): what counts as an image, decoding it safely, and turning it
+into the model's pixel values exactly as its image processor would.
+
+Admission (`Engine.make_request`) only checks an image: its byte size, its base64, and its header (a format
+Pillow reads, width x height within the pixel limit, a supported mode). Decoding and preprocessing wait until the
+scheduler picks the request, as tokenization does for texts: the `image_text` request processor calls
+`ImageTextInputProcessor.preprocess` on its worker threads (large images on the scheduler's background thread),
+never in the model step, which only sees finished float32 arrays. Nothing here imports torch.
+
+Preprocessing follows the model folder's `preprocessor_config.json`, read by transformers itself (so legacy keys
+such as `"size": 224` mean what they mean there), and reproduces transformers' PIL backend step by step: convert
+to RGB (transparency composited onto white), resize with Pillow's filter, center crop, rescale in float64 then
+float32, normalize in float32. The result equals `AutoImageProcessor.from_pretrained(folder, backend="pil")` bit
+for bit (tests/test_clip_siglip.py). transformers' torchvision backend (its default when torchvision is installed)
+resizes with torch's antialiased bicubic and differs from both by a few intensity levels here and there.
+
+An image request refused here raises `RequestError` naming the input, with kind "bad_image" (not an image,
+truncated or corrupt, an unsupported mode, an image URL) or "image_too_large" (over the byte or pixel limit).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any, Mapping
+
+import numpy as np
+
+from wde.components.base import BuildContext
+from wde.components.input_processor import InputName, TextInputProcessor
+from wde.components.params import ImageTextInputParams
+from wde.errors import ModelLoadError, RequestError, one_line
+from wde.request import ImagePrompt, PoolingParams, Prompt
+
+BAD_IMAGE = "bad_image"
+TOO_LARGE = "image_too_large"
+"""`RequestError.kind` of refused images: a client error (HTTP 400), and one over a limit (HTTP 413)."""
+
+SUPPORTED_MODES = frozenset({"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr", "LAB", "HSV",
+                             "I;16", "I;16L", "I;16B", "I;16N"})
+"""Pillow modes an image may decode to. Refused: 32-bit integer ("I") and floating-point ("F") images, whose values
+have no agreed mapping to 8-bit RGB (Pillow would clip them), and modes Pillow cannot convert to RGB ("La", ...).
+16-bit images ("I;16") convert as transformers converts them: Pillow clips each value to 255."""
+
+_DATA_URI = re.compile(r"data:image/[A-Za-z0-9.+-]+((?:;[A-Za-z0-9=._+-]+)*?)(;base64)?,", re.IGNORECASE)
+
+CLASS_TOKENS: dict[str, int] = {"clip": 1, "siglip": 0}
+"""Tokens a vision tower adds to an image's patches, by config `model_type` (CLIP's class token; SigLIP has none)."""
+
+_PROCESSORS = ("CLIPImageProcessor", "CLIPFeatureExtractor", "SiglipImageProcessor")
+"""Image processor classes (with or without their Fast / Pil suffix) whose pipeline `ImagePreprocessor` implements."""
+
+
+def _pil() -> Any:
+    from PIL import Image
+
+    return Image
+
+
+def is_image(value: Any) -> bool:
+    """Whether an input is an image (see docs/images.md for the shapes): bytes, a PIL image, a path object, a
+    `data:image/...` URI string, a mapping with an "image" key, or an already prepared `ImagePrompt`."""
+    if isinstance(value, (bytes, bytearray, memoryview, PurePath, ImagePrompt)):
+        return True
+    if isinstance(value, str):
+        return value[:11].lower() == "data:image/"
+    if isinstance(value, Mapping):
+        return "image" in value
+    image_module = sys.modules.get("PIL.Image")
+    return image_module is not None and isinstance(value, image_module.Image)
+
+
+@dataclass(frozen=True)
+class ImagePreprocessor:
+    """One model's image pipeline, read from its `preprocessor_config.json` (`from_source`); `__call__` turns a
+    decoded PIL image into float32 pixel values [3, height, width]. Pure Pillow and numpy: thread-safe."""
+
+    kind: str
+    do_resize: bool
+    size: tuple[tuple[str, int], ...]
+    resample: int
+    do_center_crop: bool
+    crop_size: tuple[int, int] | None
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+
+    @classmethod
+    def from_source(cls, source: Any) -> "ImagePreprocessor":
+        where = source.path / "preprocessor_config.json"
+        if source.read_json("preprocessor_config.json") is None:
+            raise ModelLoadError(f"{source.path} has no preprocessor_config.json: an image-text workflow preprocesses"
+                                 " images exactly as the model's image processor says, so its config must be there"
+                                 " (save_pretrained the model's image processor or processor into the folder)")
+        import transformers
+        from transformers import AutoImageProcessor
+
+        kwargs = {"backend": "pil"} if int(transformers.__version__.split(".")[0]) >= 5 else {"use_fast": False}
+        try:
+            proc = AutoImageProcessor.from_pretrained(source.path, trust_remote_code=False, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any refusal of the config is the folder's fault
+            raise ModelLoadError(f"cannot read {where}: {one_line(e)}") from None
+        name = type(proc).__name__.removesuffix("Pil").removesuffix("Fast")
+        if name not in _PROCESSORS:
+            raise ModelLoadError(f"{where}: image processor {type(proc).__name__} is not one WDE reproduces"
+                                 f" ({', '.join(_PROCESSORS)})")
+        if getattr(proc, "do_pad", None):
+            raise ModelLoadError(f"{where}: do_pad is set, which {name} pipelines in WDE do not do")
+        size = _size_dict(getattr(proc, "size", None))
+        if set(size) not in ({"height", "width"}, {"shortest_edge"}, {"shortest_edge", "longest_edge"}):
+            raise ModelLoadError(f"{where}: size {size} is not a {{height, width}} or {{shortest_edge}} size")
+        crop = _size_dict(getattr(proc, "crop_size", None)) if getattr(proc, "do_center_crop", False) else None
+        if crop is not None and set(crop) != {"height", "width"}:
+            raise ModelLoadError(f"{where}: crop_size {crop} must give height and width")
+        resample = getattr(proc, "resample", 3)
+        try:
+            resample = int(resample if resample is not None else 2)
+        except (TypeError, ValueError):
+            raise ModelLoadError(f"{where}: resample {resample!r} is not a Pillow resampling filter") from None
+        mean, std = getattr(proc, "image_mean", None), getattr(proc, "image_std", None)
+        do_normalize = bool(getattr(proc, "do_normalize", False))
+        if do_normalize and (not _three(mean) or not _three(std)):
+            raise ModelLoadError(f"{where}: image_mean and image_std must have one value per RGB channel")
+        pre = cls(name, bool(getattr(proc, "do_resize", False)), tuple(sorted(size.items())), resample,
+                  crop is not None, (crop["height"], crop["width"]) if crop else None,
+                  bool(getattr(proc, "do_rescale", False)), float(getattr(proc, "rescale_factor", 1 / 255)),
+                  do_normalize, tuple(float(x) for x in mean or ()), tuple(float(x) for x in std or ()))
+        if pre.output_size is None:
+            raise ModelLoadError(f"{where}: its images come out in sizes that depend on the input (resize to"
+                                 " shortest_edge without a center crop); the model needs one size")
+        return pre
+
+    @property
+    def output_size(self) -> tuple[int, int] | None:
+        """(height, width) of every preprocessed image, or None when it depends on the input."""
+        if self.crop_size is not None:
+            return self.crop_size
+        size = dict(self.size)
+        if self.do_resize and "height" in size:
+            return size["height"], size["width"]
+        return None
+
+    def resized_size(self, height: int, width: int) -> tuple[int, int]:
+        """The (height, width) an image of this size is resized to: transformers' rules, to the pixel."""
+        size = dict(self.size)
+        if "height" in size:
+            return size["height"], size["width"]
+        short_edge = size["shortest_edge"]
+        if "longest_edge" in size:  # transformers' get_size_with_aspect_ratio
+            longest, raw = size["longest_edge"], None
+            lo, hi = float(min(height, width)), float(max(height, width))
+            if hi / lo * short_edge > longest:
+                raw = longest * lo / hi
+                short_edge = int(round(raw))
+            if (height <= width and height == short_edge) or (width <= height and width == short_edge):
+                return height, width
+            if width < height:
+                return (int(raw * height / width) if raw is not None else int(short_edge * height / width)), short_edge
+            return short_edge, (int(raw * width / height) if raw is not None else int(short_edge * width / height))
+        short, long = (width, height) if width <= height else (height, width)  # get_resize_output_image_size
+        new_short, new_long = short_edge, int(short_edge * long / short)
+        return (new_long, new_short) if width <= height else (new_short, new_long)
+
+    def __call__(self, image: Any) -> np.ndarray:
+        image = to_rgb(image)
+        if self.do_resize:
+            height, width = self.resized_size(image.height, image.width)
+            image = image.resize((width, height), resample=self.resample)
+        pixels = np.asarray(image).transpose(2, 0, 1)  # [C, H, W] uint8
+        if self.crop_size is not None:
+            pixels = center_crop(pixels, self.crop_size)
+        if self.do_rescale:
+            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        elif not np.issubdtype(pixels.dtype, np.floating):
+            pixels = pixels.astype(np.float32)
+        if self.do_normalize:
+            mean = np.array(self.image_mean, dtype=pixels.dtype)
+            std = np.array(self.image_std, dtype=pixels.dtype)
+            pixels = ((pixels.T - mean) / std).T
+        return np.ascontiguousarray(pixels, dtype=np.float32)
+
+
+def _short(text: str, at_most: int = 120) -> str:
+    return text if len(text) <= at_most else f"{text[:at_most]}..."
+
+
+def _size_dict(size: Any) -> dict[str, int]:
+    if size is None:
+        return {}
+    items = dict(size) if isinstance(size, Mapping) else {k: getattr(size, k) for k in vars(size)}
+    return {k: int(v) for k, v in items.items() if v is not None}
+
+
+def _three(values: Any) -> bool:
+    return isinstance(values, (list, tuple)) and len(values) == 3
+
+
+def to_rgb(image: Any) -> Any:
+    """RGB, as transformers' `convert_to_rgb`: an image with an alpha band or a transparency colour is composited
+    onto white first."""
+    Image = _pil()
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        image = image.convert("RGBA")
+        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, image).convert("RGB")
+    return image.convert("RGB")
+
+
+def center_crop(pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """transformers' `center_crop` of a [C, H, W] array, zero padding included for an image smaller than the crop."""
+    height, width = pixels.shape[-2:]
+    crop_h, crop_w = size
+    top, left = (height - crop_h) // 2, (width - crop_w) // 2
+    bottom, right = top + crop_h, left + crop_w
+    if top >= 0 and bottom <= height and left >= 0 and right <= width:
+        return pixels[..., top:bottom, left:right]
+    new_h, new_w = max(crop_h, height), max(crop_w, width)
+    padded = np.zeros_like(pixels, shape=pixels.shape[:-2] + (new_h, new_w))
+    top_pad, left_pad = -(-(new_h - height) // 2), -(-(new_w - width) // 2)
+    padded[..., top_pad:top_pad + height, left_pad:left_pad + width] = pixels
+    top, bottom, left, right = top + top_pad, bottom + top_pad, left + left_pad, right + left_pad
+    return padded[..., max(0, top):min(new_h, bottom), max(0, left):min(new_w, right)]
+
+
+class ImageTextInputProcessor(TextInputProcessor):
+    """`text_input` for models with a text and a vision tower: a text (str, `{"text"}`, `{"token_ids"}`) goes to
+    the text tower as before; an image goes to the vision tower.
+
+    An image is raw bytes (`bytes`, `bytearray`, `memoryview`), a PIL image, a `pathlib.Path`, a
+    `data:image/...;base64,...` URI string, or a mapping `{"image": ...}` holding any of those, a bare base64
+    string, or (with `allow_local_paths`) a file path string. Image URLs are refused (no fetching: no SSRF).
+    Prompts (`prompt_name`) apply to texts only.
+
+    Admission stays cheap, as for texts (which are tokenized only when scheduled): the byte limit, the base64, and
+    the file's header (a format Pillow reads, width x height within the pixel limit, a supported mode) are checked
+    here; `preprocess` decodes and turns it into pixel values when the scheduler picks it (the `image_text` request
+    processor, on its worker threads). So a queue of pending images holds their files, not their pixels.
+    """
+
+    name = "image_text_input"
+    Params = ImageTextInputParams
+
+    def __init__(self, params: ImageTextInputParams, ctx: BuildContext) -> None:
+        super().__init__(params, ctx)
+        if params.pairs != "forbid":
+            raise ModelLoadError("input_processor.params.pairs must be 'forbid': an image-text embedder embeds single"
+                                 " texts and images")
+        self.preprocessor = ImagePreprocessor.from_source(ctx.source)
+        self.image_size: tuple[int, int] = self.preprocessor.output_size  # type: ignore[assignment]
+        self.image_tokens = vision_tokens(ctx.source, self.image_size)
+        """Tokens each image takes in the vision tower (its patches, plus a class token where the model has one)."""
+
+    def to_prompt(self, inputs: Any, params: PoolingParams, field: InputName = "input") -> Prompt:
+        name = field[1] if isinstance(field, tuple) else field
+        if is_image(inputs):
+            return self.image_prompt(inputs, name)
+        if not isinstance(inputs, (str, Mapping, list, tuple)):
+            raise RequestError(f"{name} must be a text or an image (bytes, a PIL image, a data:image/... URI or"
+                               f" {{'image': ...}}), got {type(inputs).__name__}", name)
+        return super().to_prompt(inputs, params, field)
+
+    def image_prompt(self, value: Any, field: str) -> ImagePrompt:
+        """Check one image input (limits, format, size, mode: its header only); `RequestError` naming `field` when
+        it is refused."""
+        if isinstance(value, Mapping):
+            extra = sorted(str(k) for k in value if k != "image")
+            if extra:
+                raise RequestError(f"{field} is an image ({{'image': ...}}) and cannot also have {extra}; send texts"
+                                   " and images as separate inputs", field)
+            value, field = value["image"], f"{field}.image"
+        if isinstance(value, ImagePrompt):
+            return self._check_prepared(value, field)
+        if isinstance(value, _pil().Image):
+            self._check_image(value, field)
+            try:  # a lazily opened file is read now, once: worker threads then only read the loaded pixels
+                value.load()
+            except Exception as e:  # noqa: BLE001 - a truncated file behind the caller's image
+                raise RequestError(f"{field} is a truncated or corrupt image: {one_line(e)}", field,
+                                   kind=BAD_IMAGE) from None
+            return ImagePrompt(value, self.image_tokens, value.width * value.height)
+        data = self._image_bytes(value, field)
+        with self._open(data, field) as image:
+            self._check_image(image, field)
+            return ImagePrompt(data, self.image_tokens, image.width * image.height)
+
+    def preprocess(self, prompt: ImagePrompt, field: str = "input") -> np.ndarray:
+        """The pixel values of an admitted image: decoded (EXIF orientation applied), converted and preprocessed
+        as the model's image processor does. Thread-safe; `RequestError` (kind "bad_image") for a file that turns
+        out truncated or corrupt."""
+        data = prompt.data
+        if isinstance(data, np.ndarray):
+            return data
+        if isinstance(data, (bytes, bytearray)):
+            image = self._decode(bytes(data), field)
+        else:
+            image = data
+        try:
+            return self.preprocessor(image)
+        except Exception as e:  # noqa: BLE001 - pixel data Pillow cannot read or convert
+            raise RequestError(f"{field} is a truncated or corrupt image: {one_line(e)}", field,
+                               kind=BAD_IMAGE) from None
+
+    # -- checks ---------------------------------------------------------------------------------------------------
+
+    def _check_prepared(self, prompt: ImagePrompt, field: str) -> ImagePrompt:
+        data = prompt.data
+        if not isinstance(data, np.ndarray):
+            return self.image_prompt(data, field)
+        expected = (3, *self.image_size)
+        if data.dtype != np.float32 or data.shape != expected:
+            raise RequestError(f"{field}: prepared pixel values must be a float32 array of shape {expected}", field,
+                               kind=BAD_IMAGE)
+        return ImagePrompt(data, self.image_tokens, 0)
+
+    def _check_image(self, image: Any, field: str) -> None:
+        width, height = image.size
+        if width * height > self.params.max_image_pixels:
+            raise RequestError(f"{field} is {width}x{height} = {width * height} pixels; the limit is"
+                               f" {self.params.max_image_pixels} (input_processor.params.max_image_pixels: a"
+                               " decompression bomb guard)", field, kind=TOO_LARGE)
+        if width < 1 or height < 1:
+            raise RequestError(f"{field} has no pixels ({width}x{height})", field, kind=BAD_IMAGE)
+        if image.mode not in SUPPORTED_MODES:
+            kind = f" {image.format}" if getattr(image, "format", None) else ""
+            raise RequestError(f"{field} is a{kind} image of mode {image.mode!r}, which is not supported (supported:"
+                               " 1-bit, 8-bit and 16-bit grayscale, palette, RGB(A), CMYK, YCbCr, LAB, HSV; not 32-bit"
+                               " integer or float images)", field, kind=BAD_IMAGE)
+
+    def _image_bytes(self, value: Any, field: str) -> bytes:
+        limit = self.params.max_image_bytes
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            data = bytes(value)
+        elif isinstance(value, PurePath):
+            data = self._read_file(str(value), field)
+        elif isinstance(value, str):
+            data = self._from_string(value, field)
+        else:
+            raise RequestError(f"{field} must be image bytes, a data:image/... URI or a base64 string, got"
+                               f" {type(value).__name__}", field, kind=BAD_IMAGE)
+        if not data:
+            raise RequestError(f"{field} is empty: no image bytes", field, kind="empty")
+        if len(data) > limit:
+            raise RequestError(f"{field} has {len(data)} bytes; the image size limit is {limit} bytes"
+                               " (input_processor.params.max_image_bytes)", field, kind=TOO_LARGE)
+        return data
+
+    def _from_string(self, value: str, field: str) -> bytes:
+        text = value.strip()
+        match = _DATA_URI.match(text)
+        if match is not None:
+            if not match.group(2):
+                raise RequestError(f"{field} is a data: URI without ';base64': send the image base64-encoded"
+                                   " (data:image/png;base64,...)", field, kind=BAD_IMAGE)
+            return self._b64(text[match.end():], field)
+        if text[:5].lower() == "data:":
+            raise RequestError(f"{field} is a data: URI of a non-image media type; expected data:image/...;base64,...",
+                               field, kind=BAD_IMAGE)
+        if re.match(r"[a-z][a-z0-9+.-]*://", text, re.IGNORECASE):
+            raise RequestError(f"{field} is a URL; WDE does not fetch images over the network: send the image"
+                               " bytes as a data:image/...;base64,... URI", field, kind=BAD_IMAGE)
+        if self.params.allow_local_paths:
+            try:
+                is_file = len(text) < 4096 and os.path.isfile(text)
+            except (OSError, ValueError):
+                is_file = False
+            if is_file:
+                return self._read_file(text, field)
+            try:
+                return self._b64(text, field)
+            except RequestError as e:
+                if e.kind == TOO_LARGE:
+                    raise
+                raise RequestError(f"{field} is neither an existing image file ({_short(text)}) nor base64 image"
+                                   " data", field, kind=BAD_IMAGE) from None
+        return self._b64(text, field)
+
+    def _b64(self, payload: str, field: str) -> bytes:
+        payload = re.sub(r"\s+", "", payload)
+        limit = self.params.max_image_bytes
+        if len(payload) // 4 * 3 > limit + 2:
+            raise RequestError(f"{field} holds about {len(payload) // 4 * 3} bytes of base64 image data; the image"
+                               f" size limit is {limit} bytes (input_processor.params.max_image_bytes)", field,
+                               kind=TOO_LARGE)
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise RequestError(f"{field} is not valid base64 image data (nor a data:image/...;base64,... URI)", field,
+                               kind=BAD_IMAGE) from None
+
+    def _read_file(self, path: str, field: str) -> bytes:
+        try:
+            size = os.stat(path).st_size
+            if size > self.params.max_image_bytes:
+                raise RequestError(f"{field}: {_short(path)} has {size} bytes; the image size limit is"
+                                   f" {self.params.max_image_bytes} bytes (input_processor.params.max_image_bytes)",
+                                   field, kind=TOO_LARGE)
+            with open(path, "rb") as f:
+                return f.read(self.params.max_image_bytes + 1)
+        except OSError as e:
+            raise RequestError(f"{field}: cannot read image file {_short(path)}: {e.strerror or one_line(e)}", field,
+                               kind=BAD_IMAGE) from None
+
+    def _open(self, data: bytes, field: str) -> Any:
+        """The image of `data`, its header read (format, size, mode), no pixel decoded yet."""
+        Image = _pil()
+        from PIL import UnidentifiedImageError
+
+        try:
+            return Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as e:
+            raise RequestError(f"{field} is a decompression bomb: {one_line(e)}", field, kind=TOO_LARGE) from None
+        except UnidentifiedImageError:
+            raise RequestError(f"{field} is not an image: no image format recognizes its {len(data)} bytes", field,
+                               kind=BAD_IMAGE) from None
+        except Exception as e:  # noqa: BLE001 - a header Pillow cannot parse
+            raise RequestError(f"{field} is not a readable image: {one_line(e)}", field, kind=BAD_IMAGE) from None
+
+    def _decode(self, data: bytes, field: str) -> Any:
+        from PIL import ImageOps
+
+        image = self._open(data, field)
+        self._check_image(image, field)
+        try:
+            image.load()
+            if self.params.exif_transpose:
+                image = ImageOps.exif_transpose(image)
+        except Exception as e:  # noqa: BLE001 - OSError("image file is truncated"), SyntaxError, EOFError, ...
+            kind = f"{image.format} image" if image.format else "image"
+            raise RequestError(f"{field} is a truncated or corrupt {kind}: {one_line(e)}", field,
+                               kind=BAD_IMAGE) from None
+        return image
+
+
+def vision_tokens(source: Any, size: tuple[int, int]) -> int:
+    """Sequence length of one preprocessed image in the model's vision tower; refuses a processor whose output size
+    is not the model's `vision_config.image_size`."""
+    cfg = source.hf_config
+    model_type = getattr(cfg, "model_type", None)
+    vision = getattr(cfg, "vision_config", None)
+    if model_type not in CLASS_TOKENS or vision is None:
+        raise ModelLoadError(f"{source.path}: config model_type {model_type!r} is not a two-tower image-text model WDE"
+                             f" knows ({', '.join(CLASS_TOKENS)})")
+    image_size, patch = int(vision.image_size), int(vision.patch_size)
+    if tuple(size) != (image_size, image_size):
+        raise ModelLoadError(f"{source.path}: the image processor makes {size[0]}x{size[1]} images but the vision"
+                             f" tower takes {image_size}x{image_size} (vision_config.image_size)")
+    return (image_size // patch) ** 2 + CLASS_TOKENS[model_type]
