@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from tests.batches import packed_batch
 from wde.components.attention.base import AttentionParams
-from wde.components.attention.torch_sdpa import TorchSDPABackend, _plan_groups
+from wde.components.attention.torch_sdpa import TorchSDPABackend, plan_groups
 
 
 def _backend() -> TorchSDPABackend:
@@ -43,7 +43,7 @@ def test_varlen_matches_per_sequence(causal: bool, lens: list[int], kv_heads: in
 
 def test_groups_bound_padding() -> None:
     lens = [3, 50, 4, 48, 5, 47, 2, 49]
-    groups = _plan_groups(lens)
+    groups = plan_groups(lens)
     assert sorted(i for g in groups for i in g) == list(range(len(lens)))
     for g in groups:
         real = sum(lens[i] for i in g)

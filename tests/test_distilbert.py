@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.tiny_models import WORDS, corpus, varied_texts
+from tests.tiny_models import WORDS, bert_tokenizer, varied_texts
 from wde import Engine, PoolingParams
 from wde.errors import ModelLoadError
 
@@ -32,20 +32,9 @@ PAIRS = [(" ".join(TEXTS[i].split()[:12]) or "q", TEXTS[(i * 5 + 2) % len(TEXTS)
 
 
 def distilbert_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import DistilBertTokenizerFast
 
-    tk = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tk.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tk.train_from_iterator(corpus(), trainers.WordPieceTrainer(
-        vocab_size=500, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
-    cls, sep = tk.token_to_id("[CLS]"), tk.token_to_id("[SEP]")
-    tk.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    tk.decoder = decoders.WordPiece()
-    return DistilBertTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=512)
+    return bert_tokenizer(DistilBertTokenizerFast, model_max_length=512)
 
 
 def build_distilbert(out: Path, seed: int = 0, head: str | None = None, **config) -> Path:

@@ -37,9 +37,11 @@ def varied_texts(n: int, seed: int = 1) -> list[str]:
     return out
 
 
-def bert_tokenizer():
+def bert_tokenizer(wrapper=None, model_max_length: int = 128):
+    """A WordPiece tokenizer wrapped in `wrapper` (default `BertTokenizerFast`; DistilBERT's fast tokenizer too)."""
     from transformers import BertTokenizerFast
 
+    wrapper = wrapper or BertTokenizerFast
     tk = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tk.normalizer = normalizers.BertNormalizer(lowercase=True)
     tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -49,8 +51,8 @@ def bert_tokenizer():
     tk.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
     tk.decoder = decoders.WordPiece()
-    return BertTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                             sep_token="[SEP]", mask_token="[MASK]", model_max_length=128)
+    return wrapper(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+                   mask_token="[MASK]", model_max_length=model_max_length)
 
 
 def xlmr_tokenizer():

@@ -38,14 +38,16 @@ class _Group:
     mask: torch.Tensor | None
 
 
-def _plan_groups(seq_lens: list[int]) -> list[list[int]]:
+def plan_groups(seq_lens: list[int], max_waste: float = _MAX_WASTE) -> list[list[int]]:
+    """Sequence indices in groups of about one length, longest first, each group's padded size ([members x
+    longest]) within `max_waste` of its real tokens."""
     order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
     groups: list[list[int]] = []
     current: list[int] = []
     real = 0
     for i in order:
         lmax = seq_lens[current[0]] if current else seq_lens[i]
-        if current and (len(current) + 1) * lmax > _MAX_WASTE * (real + seq_lens[i]):
+        if current and (len(current) + 1) * lmax > max_waste * (real + seq_lens[i]):
             groups.append(current)
             current, real = [], 0
         current.append(i)
@@ -90,7 +92,7 @@ class TorchSDPABackend(AttentionBackend):
         device = batch.input_ids.device
         groups: list[_Group] = []
         token_order: list[torch.Tensor] = []
-        for members in _plan_groups(lens):
+        for members in plan_groups(lens):
             lmax = lens[members[0]]
             gather, valid = [], []
             for slot, i in enumerate(members):

@@ -42,6 +42,7 @@ from wde.components.model_input_builder import ModelInput
 from wde.components.models.bert import BertIntermediate, BertModel, BertSelfOutput
 from wde.components.models.loader import fused_linear
 from wde.errors import ModelLoadError
+from wde.components.attention.torch_sdpa import plan_groups
 
 POS_ATT_TYPES = ("c2p", "p2c")
 
@@ -171,24 +172,6 @@ class DebertaBatch:
 MAX_PADDING = 1.25
 """A length group's padded size ([sequences x longest]) stays within this factor of its real tokens, so the
 `[n, heads, L, L]` relative-position scores of a batch with mixed lengths cost about what its sequences need."""
-
-
-def plan_groups(seq_lens: list[int]) -> list[list[int]]:
-    """Sequence indices in groups of about one length, longest first."""
-    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
-    groups: list[list[int]] = []
-    current: list[int] = []
-    real = 0
-    for i in order:
-        longest = seq_lens[current[0]] if current else seq_lens[i]
-        if current and (len(current) + 1) * longest > MAX_PADDING * (real + seq_lens[i]):
-            groups.append(current)
-            current, real = [], 0
-        current.append(i)
-        real += seq_lens[i]
-    if current:
-        groups.append(current)
-    return groups
 
 
 def _skew(scores: torch.Tensor) -> torch.Tensor:
@@ -462,7 +445,7 @@ class DebertaV2Model(BertModel):
         if self.spec is None:  # no bias: the backend attends the whole batch as it is
             groups = [SequenceGroup(0, batch.num_tokens, batch, *self._padding(batch, device), None)]
         else:
-            plan = plan_groups(lens)
+            plan = plan_groups(lens, MAX_PADDING)
             groups, start = [], 0
             for members in plan:
                 group_lens = [lens[i] for i in members]

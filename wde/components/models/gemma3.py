@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from wde.components.attention.base import AttentionBackend, AttentionMetadata, Window
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.base import ModelParams, PrefillModel
+from wde.components.models.config_view import ConfigView
+from wde.components.models.decoder_layers import GatedMLP
 from wde.components.models.loader import fused_linear
 from wde.components.models.rotary import RotaryEmbedding
 from wde.errors import ModelLoadError
@@ -89,21 +90,6 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
-class Gemma3MLP(nn.Module):
-    """GeGLU: `down(act(gate(x)) * up(x))`, gate|up fused into one projection (shards 0 and 1)."""
-
-    def __init__(self, cfg: object) -> None:
-        super().__init__()
-        self.size = int(cfg.intermediate_size)
-        self.gate_up_proj = fused_linear(cfg.hidden_size, [self.size] * 2, bias=False)
-        self.down_proj = nn.Linear(self.size, cfg.hidden_size, bias=False)
-        self.act = ACT2FN[cfg.hidden_activation]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
-
-
 class Gemma3Layer(nn.Module):
     """`h = x + post_attn_norm(attn(input_norm(x)))`, then `h + post_ff_norm(mlp(pre_ff_norm(h)))`; a
     `sliding_attention` layer has an `attention_window`."""
@@ -113,7 +99,7 @@ class Gemma3Layer(nn.Module):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.self_attn = Gemma3Attention(cfg, backend, head_dim, rotary)
-        self.mlp = Gemma3MLP(cfg)
+        self.mlp = GatedMLP(ConfigView(cfg, hidden_act=cfg.hidden_activation), bias=False)  # GeGLU
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
