@@ -15,7 +15,7 @@ import torch
 
 from tests.tiny_models import WORDS, corpus, varied_texts
 from wde import Engine
-from wde.errors import ModelLoadError
+from wde.errors import ModelLoadError, WorkflowError
 
 TOL = 1e-4
 SDPA = {"name": "torch_sdpa"}
@@ -189,7 +189,7 @@ def test_the_relative_bias_is_what_makes_parity(mpnet_st: Path, monkeypatch: pyt
 
 
 def test_backend_without_bias_and_short_bias_table_are_refused(mpnet: Path, tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="attention 'cpu_varlen' does not support"):
+    with pytest.raises(WorkflowError, match="attention 'cpu_varlen' does not support"):  # wde validate's check
         Engine.from_workflow("mpnet", mpnet, attention={"name": "cpu_varlen"}, device="cpu")
     short = build_mpnet(tmp_path / "short", relative_attention_num_buckets=16)
     with pytest.raises(ModelLoadError, match="relative_attention_num_buckets is 16"):

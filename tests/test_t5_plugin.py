@@ -19,7 +19,7 @@ from tests.tiny_models import build_bert, varied_texts
 from tests.tiny_t5 import build_sentence_t5
 from wde import Engine
 from wde.components.attention.torch_sdpa import TorchSDPABackend
-from wde.errors import ModelLoadError
+from wde.errors import ModelLoadError, WorkflowError
 from wde.plugins import make_plugin_manager
 from wde.registry import Registry, get_registry
 
@@ -136,7 +136,7 @@ def test_registry_argument_and_bias_capability(st_t5: Path, tmp_path: Path) -> N
         assert engine.embed(["hello"]).shape == (1, 64)
     with pytest.raises(ModelLoadError, match="serves \\['T5EncoderModel'\\]"):
         Engine.from_workflow("sentence_t5", build_bert(tmp_path / "bert"), registry=reg, device="cpu")
-    with pytest.raises(ModelLoadError, match="attention 'no_bias_sdpa' does not support"):
+    with pytest.raises(WorkflowError, match="attention 'no_bias_sdpa' does not support"):  # wde validate's check
         Engine.from_workflow("sentence_t5", st_t5, attention={"name": "no_bias_sdpa"}, registry=reg, device="cpu")
 
 
