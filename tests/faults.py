@@ -4,6 +4,7 @@ that fail on purpose, and a pooler whose output is NaN for one input.
 Each fails on a batch that carries the poison word (default "poison"), so a test knows the culprit; the runner
 can also fail every Nth batch (a transient fault, as the soak benchmark injects). The tokenizer can also hold
 texts longer than `hold_chars` until `HOLD` is set, to prove a slow tokenization does not block other requests.
+`fault_bert` is slow on "slow" (`SLOW_S`) and hangs on "hang" until `UNHANG` is set (a hung engine step).
 
 `register()` adds them to the process registry (idempotent); then a workflow names them, e.g.
 ``overrides=["model.name=fault_bert"]``.
@@ -35,6 +36,10 @@ HOLD = threading.Event()
 """Released (set) by a test when the held tokenizations may finish."""
 SLOW_S = 2.0
 """How long `fault_bert` takes on a batch carrying the word "slow"."""
+UNHANG = threading.Event()
+"""Set by a test to end the hang of a `fault_bert` batch carrying the word "hang"."""
+HANG_GUARD_S = 120.0
+"""A hung batch goes on by itself after this long, should a test fail before it sets `UNHANG`."""
 
 
 class InjectedFault(RuntimeError):
@@ -86,11 +91,14 @@ class FaultBert(BertModel):
         super().__init__(params, ctx)
         self._poison = poison_id(ctx, "poison")
         self._slow = poison_id(ctx, "slow")
+        self._hang = poison_id(ctx, "hang")
 
     def forward(self, batch: ModelInput) -> torch.Tensor:
         check(batch.input_ids, self._poison, "model")
         if bool((batch.input_ids == self._slow).any()):
             time.sleep(SLOW_S)  # a batch that keeps the device busy (works across processes, unlike HOLD)
+        if bool((batch.input_ids == self._hang).any()):
+            UNHANG.wait(HANG_GUARD_S)  # a hung step: the engine loop makes no progress until a test releases it
         return super().forward(batch)
 
 

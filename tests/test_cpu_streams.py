@@ -66,6 +66,28 @@ def test_pooled_cat_joins_rows_and_shifts_ragged_bounds() -> None:
     assert Pooled.cat([a]) is a
 
 
+def test_pieces_cut_to_different_dimensions_join_and_keep_each_width(minilm_path: Path, minilm_engine: Engine,
+                                                                     split_calls: list[int]) -> None:
+    """One piece whose requests all ask for `dimensions=128` is cut to 128 wide, the other stays 384: joining them
+    used to fail the batch (retried in halves until the pieces no longer mixed; found by benchmarks/soak.py)."""
+    texts = [f"{'word ' * 100}{i}" for i in range(8)]
+    split_calls.clear()
+    with Engine.from_workflow("bert", minilm_path, overrides=SPLIT_ALWAYS) as engine:
+        ids = [engine.add_request(t, RequestPoolingParams(dimensions=128 if i < 4 else None))
+               for i, t in enumerate(texts)]
+        done: dict[str, object] = {}
+        while len(done) < len(ids):
+            done.update((o.request_id, o) for o in engine.step())
+    assert split_calls == [2]  # one batch, in two pieces: nothing failed and was retried
+    outs = [done[i] for i in ids]
+    assert all(o.ok for o in outs)  # type: ignore[attr-defined]
+    got_short = np.stack([o.outputs["dense"] for o in outs[:4]])  # type: ignore[attr-defined]
+    got_full = np.stack([o.outputs["dense"] for o in outs[4:]])  # type: ignore[attr-defined]
+    assert got_short.shape == (4, 128) and got_full.shape == (4, 384)
+    assert np.abs(got_short - minilm_engine.embed(texts[:4], dimensions=128)).max() <= 1e-5
+    assert np.abs(got_full - minilm_engine.embed(texts[4:])).max() <= 1e-5
+
+
 def test_streams_restore_the_process_thread_count_and_keep_order() -> None:
     before = torch.get_num_threads()
     streams = CpuStreams(2, threads=2)

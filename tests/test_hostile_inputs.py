@@ -209,6 +209,54 @@ def test_payload_limit_is_413_before_the_body_is_read(servers: dict[str, str]) -
     assert post(url, "/v1/embeddings", {"input": "small"}).status_code == 200
 
 
+EVIL = "https://evil.example"
+# What a web page can make a browser send, and bodies in a type or encoding the server does not take: (headers,
+# status, words the message must contain). A "simple" cross-origin request (text/plain, form data) needs no CORS
+# preflight, so without these checks any page the user visits could use a key-less server on localhost.
+NOT_JSON = [
+    ({"content-type": "text/plain"}, 415, "is not JSON"),
+    ({"content-type": "application/x-www-form-urlencoded"}, 415, "is not JSON"),
+    ({"content-type": "multipart/form-data; boundary=x"}, 415, "is not JSON"),
+    ({}, 415, "no Content-Type"),
+    ({"content-type": "application/json; charset=iso-8859-1"}, 415, "UTF-8"),
+    ({"content-type": "application/json", "content-encoding": "br"}, 415, "Content-Encoding 'br'"),
+    ({"content-type": "application/json", "origin": EVIL}, 403, "origin 'https://evil.example' is not allowed"),
+    ({"content-type": "text/plain", "origin": EVIL}, 403, "--allowed-origins"),
+    ({"content-type": "application/json", "origin": "null"}, 403, "origin 'null'"),
+    ({"content-type": "application/json; charset=utf-8"}, 200, None),
+    ({"content-type": "Application/JSON; Charset=\"UTF-8\""}, 200, None),
+    ({"content-type": "application/vnd.api+json"}, 200, None),
+    ({"content-type": "application/json", "content-encoding": "identity"}, 200, None),
+]
+JSON_ROUTES = [("/v1/embeddings", {"input": "fine"}), ("/embed", {"inputs": "fine"}), ("/v2/embed", {"texts": ["x"]}),
+               ("/tokenize", {"inputs": "fine"}), ("/score", {"text_1": "a", "text_2": "b"})]
+
+
+@pytest.mark.parametrize(("headers", "status", "needle"), NOT_JSON, ids=[
+    "+".join(f"{k}={v}" for k, v in h.items()) or "no-content-type" for h, _, _ in NOT_JSON])
+@pytest.mark.parametrize(("path", "body"), JSON_ROUTES, ids=[p for p, _ in JSON_ROUTES])
+def test_only_json_bodies_and_no_browser_origins_by_default(servers: dict[str, str], path: str, body: dict,
+                                                            headers: dict[str, str], status: int,
+                                                            needle: str | None) -> None:
+    url = servers["reranker" if path == "/score" else "embedder"]
+    r = httpx.post(f"{url}{path}", content=json.dumps(body).encode(), headers=headers, timeout=60)
+    assert r.status_code == status, r.text
+    if needle is not None:
+        message, _ = error_of(r, path, body)
+        assert needle in message, message
+        assert "access-control-allow-origin" not in r.headers
+    if status == 415:
+        assert r.headers.get("accept-encoding" if "content-encoding" in headers else "accept-post") in (
+            "gzip", "application/json")
+
+
+def test_a_cors_preflight_is_refused_without_allowed_origins(servers: dict[str, str]) -> None:
+    r = httpx.options(f"{servers['embedder']}/v1/embeddings",
+                      headers={"origin": "http://localhost:3000", "access-control-request-method": "POST"})
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    assert "--allowed-origins" in r.json()["error"]["message"]
+
+
 def test_unknown_routes_and_methods_answer_json(servers: dict[str, str]) -> None:
     url = servers["embedder"]
     missing = httpx.post(f"{url}/v2/nothing", json={})

@@ -6,7 +6,11 @@ batches whatever has arrived from every connection, runs the model and resolves 
 supervised: should `step` itself raise (a bug, an out-of-memory error), every caller waiting at that moment
 gets `EngineRestarted`, the engine's queues are reset and the loop starts again; after `max_restarts` within
 `restart_window_s` it gives up, reports unhealthy and calls `on_fatal` (`wde serve` then exits non-zero so a
-process supervisor can restart it). No caller waits forever: stopping drains the queue, then fails what is left.
+process supervisor can restart it). No caller waits forever: stopping drains the queue, then fails what is left,
+and a call given a `timeout` is aborted in the scheduler when it passes (`EngineTimeout`).
+
+The loop beats a heartbeat (`wde.core.heartbeat`) after every step and every second while idle, so
+`seconds_since_step` grows only while a step runs or the loop is stuck; the server's /health reads it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 import threading
 from typing import Any, Callable, Sequence
 
+from wde.core.heartbeat import Heartbeat
 from wde.engine import BatchStats, Engine
 from wde.engine_info import EngineInfo
 from wde.request import PoolingParams, Request, RequestOutput
@@ -35,6 +40,15 @@ class EngineUnavailable(Exception):
 
 class EngineRestarted(EngineUnavailable):
     """The engine loop failed while this request was waiting and was restarted; retrying the request is safe."""
+
+
+class EngineTimeout(EngineUnavailable):
+    """The call's `timeout` passed before its answer was ready; its inputs were aborted in the engine (those already
+    running finish, and their results are dropped). Retrying later is safe."""
+
+
+IDLE_BEAT_S = 0.25
+"""How often an idle engine loop beats its heartbeat (a busy one beats after every step)."""
 
 
 RESTARTED = "the engine restarted after an internal error while this request was waiting; retrying it is safe"
@@ -66,15 +80,21 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
+        self._closed = False
+        """Set (under `_lock`) when the loop stopped or gave up: nothing more is added."""
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self.active_calls = 0
         """`encode` calls admitted and not finished (touched only on the event loop)."""
         self.num_aborted = 0
+        self.num_timed_out = 0
+        """`encode` calls that ran past their `timeout`."""
         self.error: BaseException | None = None
         """Set when the engine loop itself died (not a single batch); the engine is then unhealthy."""
+        self.heartbeat = Heartbeat()
 
     def start(self) -> None:
+        self.heartbeat.beat()
         self._thread = threading.Thread(target=self._run, name="wde-engine-loop", daemon=True)
         self._thread.start()
 
@@ -84,7 +104,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        self._fail_all(EngineUnavailable("the server is shutting down"))
+        self._fail_all(EngineUnavailable("the server is shutting down"), close=True)
 
     @property
     def num_restarts(self) -> int:
@@ -93,6 +113,12 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping and self.error is None
+
+    @property
+    def seconds_since_step(self) -> float:
+        """Seconds since the engine loop last finished a step or looked at an empty queue: near 0 unless a step
+        is running or the loop is stuck."""
+        return self.heartbeat.age()
 
     @property
     def queue_depth(self) -> int:
@@ -105,13 +131,15 @@ class AsyncEngine:
         return len(self._pending)
 
     async def encode(self, inputs: Sequence[Any], params: PoolingParams | Sequence[PoolingParams],
-                     fields: InputNames = "input", request_id: str | None = None) -> list[RequestOutput]:
+                     fields: InputNames = "input", request_id: str | None = None,
+                     timeout: float | None = None) -> list[RequestOutput]:
         """Run inputs through the engine (batched with everyone else's); outputs come back in input order.
 
         Raises `RequestError` (naming the input, see `InputNames`) for invalid input, `EngineOverloaded` or
-        `EngineUnavailable` (`EngineRestarted` when the loop failed while waiting); a request our code failed on
-        comes back with an error of kind "internal". Engine request ids are `{request_id}.{n}-{i}`. Cancelling the
-        await aborts the requests that have not been scheduled yet.
+        `EngineUnavailable` (`EngineRestarted` when the loop failed while waiting, `EngineTimeout` when `timeout`
+        seconds passed first); a request our code failed on comes back with an error of kind "internal". Engine
+        request ids are `{request_id}.{n}-{i}`. Cancelling the await, or the timeout, aborts the requests that have
+        not been scheduled yet.
         """
         # Unique even when clients reuse an id (x-request-id is theirs to choose): a clash would orphan a future.
         requests = admit(self, self.engine.make_request, inputs, params, fields,
@@ -120,19 +148,24 @@ class AsyncEngine:
         futures = [loop.create_future() for _ in requests]
         self.active_calls += 1
         try:
-            with self._lock:
+            with self._lock:  # with `_fail_all`'s reset, a request is either failed and dropped, or kept whole
+                if self._closed:
+                    raise EngineUnavailable("the engine is not running" + (f": {self.error}" if self.error else ""))
                 for r, f in zip(requests, futures):
                     self._pending[r.request_id] = (loop, f)
-            for r in requests:
-                self.engine.scheduler.add(r)
+                for r in requests:
+                    self.engine.scheduler.add(r)
             self._wake.set()
-            return list(await asyncio.gather(*futures))
+            return list(await await_within(asyncio.gather(*futures), timeout))
         except BaseException as e:
             unfinished = [r.request_id for r, f in zip(requests, futures) if f.cancelled() or not f.done()]
             for rid in unfinished:
                 self.engine.abort(rid)
             if isinstance(e, asyncio.CancelledError):
                 self.num_aborted += len(unfinished)
+            if isinstance(e, asyncio.TimeoutError):
+                self.num_timed_out += 1
+                raise timed_out(timeout) from None
             raise
         finally:
             self.active_calls -= 1
@@ -155,19 +188,22 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         engine = self.engine
+        beat = self.heartbeat.beat
         while not self._stopping or engine.has_unfinished():
             self._wake.clear()
             outputs = engine.step()
+            beat()
             if outputs:
                 self._resolve([(o.request_id, o) for o in outputs])
             elif not engine.has_unfinished() and not self._stopping:
-                self._wake.wait()
+                while not self._wake.wait(IDLE_BEAT_S):
+                    beat()
+                beat()
 
     def _restart(self, error: Exception) -> bool:
         """Fail every waiting caller, reset the engine's queues; False when the restart budget is spent."""
         log.error("the engine loop failed (%s: %s); restarting it", type(error).__name__, error, exc_info=error)
-        self._fail_all(EngineRestarted(RESTARTED))
-        self.engine.reset()
+        self._fail_all(EngineRestarted(RESTARTED), reset=True)
         if not self.restarts.spend():
             self._give_up(error)
             return False
@@ -177,15 +213,22 @@ class AsyncEngine:
         log.critical("the engine loop failed %d times in %.0f s (last: %s: %s); giving up", self.restarts.recent,
                      self.restarts.window_s, type(error).__name__, error)
         self.error = error
-        self._fail_all(EngineUnavailable("the engine is not running: it failed repeatedly; see the server log"))
+        self._fail_all(EngineUnavailable("the engine is not running: it failed repeatedly; see the server log"),
+                       close=True)
         if self.on_fatal is not None:
             try:
                 self.on_fatal(error)
             except Exception:  # noqa: BLE001 - nothing more can be done from here
                 log.exception("the on_fatal callback failed")
 
-    def _fail_all(self, failure: BaseException) -> None:
+    def _fail_all(self, failure: BaseException, *, reset: bool = False, close: bool = False) -> None:
+        """Fail every waiting caller; `reset` empties the engine's queues in the same step (a request added while
+        the callers were being failed would be dropped by the reset and wait for ever), `close` refuses more."""
         with self._lock:
+            if reset:
+                self.engine.reset()
+            if close:
+                self._closed = True
             ids = list(self._pending)
         self._resolve([(rid, failure) for rid in ids])
 
@@ -216,6 +259,24 @@ def admit(handle: Any, make_request: Callable[..., Request], inputs: Sequence[An
     per_input = [params] * len(inputs) if isinstance(params, PoolingParams) else list(params)
     names = input_names(fields, len(inputs))
     return [make_request(x, p, f"{prefix}-{i}", names[i]) for i, (x, p) in enumerate(zip(inputs, per_input))]
+
+
+async def await_within(work: "asyncio.Future[Any]", timeout: float | None) -> Any:
+    """Await `work`, cancelling it and raising `asyncio.TimeoutError` after `timeout` seconds (None: no limit)."""
+    if timeout is None:
+        return await work
+    work.add_done_callback(_retrieved)  # cancelled with its waiter, `wait_for` would leave its error unread
+    return await asyncio.wait_for(work, max(0.0, timeout))
+
+
+def _retrieved(future: "asyncio.Future[Any]") -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def timed_out(timeout: float | None) -> EngineTimeout:
+    return EngineTimeout(f"no answer within the request timeout of {timeout:g} s (wde serve --request-timeout): the"
+                         " engine is overloaded or stalled; the request was aborted, retrying it later is safe")
 
 
 def input_names(fields: InputNames, n: int) -> list[str | tuple[str, str]]:

@@ -229,7 +229,7 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str, id_field: str |
 @click.option("--workflow", "-w", default=None, help="workflow file or name (default: chosen from the model)")
 @click.option("--model", "-m", default=None, help="model folder or cached hub id (default: all-MiniLM-L6-v2)")
 @click.option("--host", default="127.0.0.1", show_default=True, help="bind address (loopback unless told otherwise)")
-@click.option("--port", default=8000, show_default=True, type=int, help="TCP port to listen on")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port to listen on")
 @click.option("--api-key", default=None, envvar="WDE_API_KEY", help="require 'Authorization: Bearer KEY'")
 @click.option("--served-model-name", default=None,
               help="name(s) the API answers to, comma separated; the first is reported (default: the model id or"
@@ -254,17 +254,39 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str, id_field: str |
 @click.option("--token-id-inputs/--no-token-id-inputs", default=True, show_default=True,
               help="accept inputs given as token ids; --no-token-id-inputs refuses them (422), for clients that send"
                    " another tokenizer's ids (langchain-openai's OpenAIEmbeddings by default)")
+@click.option("--request-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
+              help="abort a request the engine has not answered within this long (queued or running) and answer 503"
+                   " with Retry-After; 0: no deadline")
+@click.option("--stall-timeout", default=15.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
+              help="/health answers 503 while the engine has not finished a step for this long (hung, frozen);"
+                   " 0: never")
+@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
+              help="answer 408 and close a connection that has not sent a request's headers within this long;"
+                   " 0: never")
+@click.option("--body-timeout", default=60.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
+              help="answer 408 and close the connection when a request body has not arrived this long after its"
+                   " headers; 0: never")
+@click.option("--allowed-origins", multiple=True, metavar="ORIGIN[,ORIGIN…]",
+              help="web origins (https://app.example.com) whose pages may call the server from a browser, or *;"
+                   " requests from any other web page (an Origin header) are answered 403 (default: none)")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+              help="log level; debug also prints the traceback of a start-up failure after its one line")
 def serve(workflow: str | None, model: str | None, host: str, port: int, api_key: str | None,
           served_model_name: str | None, overrides: tuple[str, ...], max_client_batch_size: int,
           max_concurrent_requests: int, payload_limit: int | None, trust_remote_code: bool, access_log: bool,
-          quantization_ranges: str | None, api_servers: str, token_id_inputs: bool) -> None:
+          quantization_ranges: str | None, api_servers: str, token_id_inputs: bool, request_timeout: float,
+          stall_timeout: float, header_timeout: float, body_timeout: float, allowed_origins: tuple[str, ...],
+          log_level: str) -> None:
     """Serve a workflow over HTTP (OpenAI, rerank and TEI-compatible routes).
 
-    Exits 0 after SIGINT/SIGTERM (requests in flight are finished first), and 3 when the engine loop failed
-    repeatedly, so a process supervisor restarts the server (docs/operations.md).
+    Exits 0 after SIGINT/SIGTERM (requests in flight are finished first), 1 when it cannot start (one line naming
+    the cause: port in use, bad host, broken model folder...; nothing is loaded when the port is taken), and 3 when
+    the engine loop failed repeatedly, so a process supervisor restarts the server (docs/operations.md).
     """
     from wde.server import ServerConfig, run_server
     from wde.server.app import EngineFailed
+    from wde.server.startup import StartupError
 
     try:
         config = ServerConfig(workflow=workflow, model=model, host=host, port=port, api_key=api_key,
@@ -272,9 +294,13 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, api_key
                               max_client_batch_size=max_client_batch_size,
                               max_concurrent_requests=max_concurrent_requests, payload_limit=payload_limit,
                               trust_remote_code=trust_remote_code, access_log=access_log,
-                              quantization_ranges=quantization_ranges, token_id_inputs=token_id_inputs)
+                              quantization_ranges=quantization_ranges, token_id_inputs=token_id_inputs,
+                              request_timeout=request_timeout, stall_timeout=stall_timeout,
+                              header_timeout=header_timeout, body_timeout=body_timeout,
+                              allowed_origins=tuple(_split_list(allowed_origins)), log_level=log_level)
     except ValueError as e:
-        hint = "--api-key" if "api_key" in str(e) else "--quantization-ranges" if "quantization" in str(e) else None
+        hint = ("--api-key" if "api_key" in str(e) else "--quantization-ranges" if "quantization" in str(e)
+                else "--allowed-origins" if "origin" in str(e) else None)
         raise click.BadParameter(str(e), param_hint=hint) from None
     if api_servers != "auto" and not (api_servers.isdigit() and int(api_servers) <= 64):
         raise click.BadParameter(f"must be 'auto' or a number of processes from 0 to 64, got {api_servers!r}",
@@ -287,11 +313,18 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, api_key
             if count > 0:
                 sys.exit(run_split_server(config, count))
         run_server(config)
-    except (WorkflowError, ModelLoadError, RegistryError) as e:
-        raise click.ClickException(str(e)) from None
     except EngineFailed as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(3)
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - every start-up failure is one line; the traceback with --log-level debug
+        if log_level == "debug":
+            import traceback
+
+            traceback.print_exception(e)
+        known = isinstance(e, (WorkflowError, ModelLoadError, RegistryError, StartupError))
+        raise click.ClickException(str(e) if known else f"{type(e).__name__}: {e}") from None
 
 
 if __name__ == "__main__":

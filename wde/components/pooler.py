@@ -34,10 +34,14 @@ class Pooled:
 
     @staticmethod
     def cat(parts: "list[Pooled]") -> "Pooled":
-        """The outputs of consecutive pieces of one batch (`ModelInput.split`) as the outputs of the whole."""
+        """The outputs of consecutive pieces of one batch (`ModelInput.split`) as the outputs of the whole.
+
+        Pieces may differ in width (a piece whose requests all ask for the same `dimensions` is cut to it, see
+        `finish_embeddings`): narrower rows are padded with zeros, as a mixed batch's are; the output processor
+        cuts each request's row to its width."""
         if len(parts) == 1:
             return parts[0]
-        rows = {k: torch.cat([p.rows[k] for p in parts]) for k in parts[0].rows}
+        rows = {k: _cat_rows([p.rows[k] for p in parts]) for k in parts[0].rows}
         ragged = {}
         for k in parts[0].ragged:
             bounds = [0]
@@ -46,6 +50,13 @@ class Pooled:
                 bounds.extend(offset + x - b[0] for x in b[1:])
             ragged[k] = (torch.cat([p.ragged[k][0] for p in parts]), bounds)
         return Pooled(rows, ragged)
+
+
+def _cat_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    width = max(r.shape[-1] for r in rows) if rows[0].dim() > 1 else None
+    if width is not None and any(r.shape[-1] != width for r in rows):
+        rows = [torch.nn.functional.pad(r, (0, width - r.shape[-1])) for r in rows]
+    return torch.cat(rows)
 
 
 def segment_ids(batch: ModelInput) -> torch.Tensor:

@@ -3,7 +3,9 @@
 `encode` validates and tokenizes on this side (`Frontend`), sends token ids to the core and awaits the results,
 which a receiver task hands to the waiting callers. A socket monitor watches the link: if the core process goes
 away, every waiting caller gets `EngineUnavailable` at once (a 503, never a hang), the client reports unhealthy and
-calls `on_fatal` (the API server then shuts down; the launcher sees the core's exit and stops the rest).
+calls `on_fatal` (the API server then shuts down; the launcher sees the core's exit and stops the rest). A call
+given a `timeout` sends the core an abort when it passes and raises `EngineTimeout`; the core's heartbeat file
+(`wde.core.heartbeat`) tells how long ago its loop last made progress, even while it is frozen.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from wde.async_engine import EngineRestarted, EngineUnavailable, InputNames, admit
+from wde.async_engine import (EngineRestarted, EngineUnavailable, InputNames, admit, await_within,
+                              timed_out)
 from wde.core import wire
 from wde.core.engine_core import socket
+from wde.core.heartbeat import Heartbeat, heartbeat_path
 from wde.core.frontend import Frontend
 from wde.engine_info import EngineInfo
 from wde.errors import RequestError
@@ -52,6 +56,7 @@ class CoreClient:
         self.on_fatal = on_fatal
         self.active_calls = 0
         self.num_aborted = 0
+        self.num_timed_out = 0
         self.num_restarts = 0
         """Restarts of the core's loop this API server saw fail its requests (the core's own count is a metric)."""
         self.error: BaseException | None = None
@@ -62,6 +67,8 @@ class CoreClient:
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        path = heartbeat_path(address)
+        self._heartbeat = Heartbeat(path, writer=False) if path is not None else None
 
     def start(self) -> None:
         self._sock = socket(self.address, zmq.DEALER, bind=False, context=zmq.asyncio.Context.instance())
@@ -77,6 +84,8 @@ class CoreClient:
             self._sock.close(0)
             self._sock = None
         self._tokenize_pool.shutdown(wait=False)
+        if self._heartbeat is not None:
+            self._heartbeat.close()
 
     @property
     def healthy(self) -> bool:
@@ -87,22 +96,32 @@ class CoreClient:
         return len(self._waiting)
 
     @property
+    def seconds_since_step(self) -> float:
+        """Seconds since the core's loop last finished a step or looked at an empty queue (its heartbeat): near 0
+        unless a step is running or the core is stuck or frozen; 0 when the core publishes no heartbeat."""
+        return self._heartbeat.age() if self._heartbeat is not None else 0.0
+
+    @property
     def queue_depth(self) -> int:
         """Not known here: the core reports its queue as a metric."""
         return 0
 
     async def encode(self, inputs: Sequence[Any], params: PoolingParams | Sequence[PoolingParams],
-                     fields: InputNames = "input", request_id: str | None = None) -> list[RequestOutput]:
-        """As `AsyncEngine.encode`: outputs in input order; `RequestError`, `EngineOverloaded`, `EngineUnavailable`."""
+                     fields: InputNames = "input", request_id: str | None = None,
+                     timeout: float | None = None) -> list[RequestOutput]:
+        """As `AsyncEngine.encode`: outputs in input order; `RequestError`, `EngineOverloaded`, `EngineUnavailable`
+        (`EngineTimeout` after `timeout` seconds, tokenization on this side included)."""
         requests = admit(self, self.frontend.make_request, inputs, params, fields,
                          f"{request_id or 'srv'}.{self._tag}{next(self._ids)}")
         loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         self.active_calls += 1
         outputs: list[RequestOutput | None] = [None] * len(requests)
         futures: list[tuple[int, asyncio.Future[RequestOutput]]] = []
         try:
             if self.frontend.is_large(requests):
-                tokenized = await loop.run_in_executor(self._tokenize_pool, self.frontend.tokenize, requests)
+                tokenizing = loop.run_in_executor(self._tokenize_pool, self.frontend.tokenize, requests)
+                tokenized = await await_within(tokenizing, _left(deadline, loop))
             else:
                 tokenized = self.frontend.tokenize(requests)
             admitted = []
@@ -116,7 +135,8 @@ class CoreClient:
                 admitted.append(wire.Admitted(r.request_id, t.token_ids, t.token_type_ids, r.params))
             if admitted:
                 await self._send(wire.Submit(admitted))
-                for i, out in zip((i for i, _ in futures), await asyncio.gather(*(f for _, f in futures))):
+                results = await await_within(asyncio.gather(*(f for _, f in futures)), _left(deadline, loop))
+                for i, out in zip((i for i, _ in futures), results):
                     outputs[i] = out
             return outputs  # type: ignore[return-value]
         except BaseException as e:
@@ -125,6 +145,9 @@ class CoreClient:
                 asyncio.ensure_future(self._send(wire.Abort(unfinished)))
             if isinstance(e, asyncio.CancelledError):
                 self.num_aborted += len(unfinished)
+            if isinstance(e, asyncio.TimeoutError):
+                self.num_timed_out += 1
+                raise timed_out(timeout) from None
             raise
         finally:
             self.active_calls -= 1
@@ -174,6 +197,10 @@ class CoreClient:
         for waiting in list(self._waiting.values()):
             if not waiting.future.done():
                 waiting.future.set_exception(failure)
+
+
+def _left(deadline: float | None, loop: asyncio.AbstractEventLoop) -> float | None:
+    return None if deadline is None else deadline - loop.time()
 
 
 def _unfinished(waiting: _Waiting | None) -> bool:

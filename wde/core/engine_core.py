@@ -4,7 +4,9 @@ API servers (`wde.core.client.CoreClient`) send it tokenized requests over a Zer
 in the engine's scheduler, steps, and sends each output back to the API server that asked. Between steps it
 drains every message that arrived, so batches form from all API servers at once. The loop is supervised as in
 `AsyncEngine`: if `step` raises, every waiting request is failed with a "retry" answer, the engine's queues are
-reset and the loop goes on; past the restart budget the core exits with `EXIT_GAVE_UP`.
+reset and the loop goes on; past the restart budget the core exits with `EXIT_GAVE_UP`. After every step, and
+every `IDLE_POLL_MS` while idle, it beats its heartbeat (`wde.core.heartbeat`), a file the API servers read to see
+a core that is stuck in a step or frozen.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import zmq
 from wde.async_engine import RESTARTED
 from wde.core import wire
 from wde.core.frontend import core_request
+from wde.core.heartbeat import Heartbeat, heartbeat_path
 from wde.engine import Engine
 from wde.request import RequestOutput
 from wde.restarts import RestartBudget
@@ -51,6 +54,9 @@ class EngineCore:
         self.stopping = False
         self._owners: dict[str, bytes] = {}
         """Request id → identity of the API server waiting for it."""
+        path = heartbeat_path(address)
+        self.heartbeat = Heartbeat(path)
+        """Beaten after every step and idle poll; a file next to the socket (ipc addresses) for the API servers."""
         self._sock = socket(address, zmq.ROUTER, bind=True)
 
     @property
@@ -60,8 +66,10 @@ class EngineCore:
     def run(self) -> int:
         """Serve until `stopping` is set and nothing is left to finish; the process exit code."""
         engine = self.engine
+        beat = self.heartbeat.beat
         try:
             while not self.stopping or engine.has_unfinished():
+                beat()
                 self._receive(0 if engine.has_unfinished() else IDLE_POLL_MS)
                 try:
                     outputs = engine.step()
@@ -76,6 +84,7 @@ class EngineCore:
             return 0
         finally:
             self._sock.close(0)
+            self.heartbeat.close()
 
     def _receive(self, timeout_ms: int) -> None:
         if not self._sock.poll(timeout_ms):

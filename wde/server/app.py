@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
+import socket
 import threading
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 import wde
 from wde.async_engine import AsyncEngine
@@ -21,16 +24,13 @@ from wde.server import cohere_routes, openai_routes, rerank_routes, score_routes
 from wde.server.config import ServerConfig
 from wde.server.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
 from wde.server.metrics import ServerMetrics
-from wde.server.middleware import ApiKeyMiddleware, MetricsMiddleware, PayloadLimitMiddleware, RequestIdMiddleware
+from wde.server.middleware import (ApiKeyMiddleware, JsonContentTypeMiddleware, MetricsMiddleware, OriginMiddleware,
+                                   PayloadLimitMiddleware, RequestIdMiddleware)
 from wde.server.service import ClientDisconnected, Service
-from wde.server.startup import startup_line
+from wde.server.startup import check_metrics_dir, listen, startup_line
+from wde.server.timeouts import BodyTimeoutMiddleware, client_gone, http_protocol
 
 _ROUTERS = (openai_routes.router, score_routes.router, rerank_routes.router, cohere_routes.router, tei_routes.router)
-
-
-async def _client_gone(request: Request, exc: Exception) -> Response:
-    """Nobody reads this answer; 499 (nginx's 'client closed request') keeps it apart in the metrics."""
-    return Response(status_code=499)
 
 
 def create_app(engine: Engine | CoreClient, config: ServerConfig | None = None) -> FastAPI:
@@ -63,28 +63,35 @@ def create_app(engine: Engine | CoreClient, config: ServerConfig | None = None) 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     app.add_exception_handler(ApiError, api_error_handler)
-    app.add_exception_handler(ClientDisconnected, _client_gone)
+    app.add_exception_handler(ClientDisconnected, client_gone)  # hung up while waiting: 499, one log line
+    app.add_exception_handler(ClientDisconnect, client_gone)  # hung up while sending the body: the same
     app.add_exception_handler(HTTPException, http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
-    # Added innermost first: a request passes the id, metrics, key and size checks in that order.
+    # Added innermost first: a request passes the id, metrics, origin, key, content-type, size and body-time
+    # checks in that order (the origin check before the key: a CORS preflight carries no key).
+    app.add_middleware(BodyTimeoutMiddleware, timeout=config.body_timeout)
     app.add_middleware(PayloadLimitMiddleware, limit=config.effective_payload_limit(async_engine.info.max_length))
+    json_routes = frozenset(r.path for router in _ROUTERS for r in router.routes if "POST" in r.methods)
+    app.add_middleware(JsonContentTypeMiddleware, paths=json_routes)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(OriginMiddleware, allowed=config.allowed_origins)
     routes = frozenset(r.path for router in _ROUTERS for r in router.routes) | {"/metrics"}
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=routes)
     app.add_middleware(RequestIdMiddleware)
     return app
 
 
-def _log_to_stderr() -> None:
+def _log_to_stderr(level: str = "info") -> None:
     """The server's own log lines (failed requests with their ids and tracebacks, restarts, hints) on stderr,
-    timestamped, at INFO; where logging is already set up (a library user's, a test runner's) it is left alone."""
+    timestamped, at `level` (`wde serve --log-level`); where logging is already set up (a library user's, a test
+    runner's) it is left alone."""
     log = logging.getLogger("wde")
     if not log.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         log.addHandler(handler)
-        log.setLevel(logging.INFO)
+        log.setLevel(level.upper())
 
 
 def _main_thread() -> bool:
@@ -98,18 +105,33 @@ class EngineFailed(RuntimeError):
 def run_server(config: ServerConfig) -> None:
     """Build the engine and serve until SIGINT/SIGTERM (finishing requests in flight), then release the engine.
 
-    Raises `EngineFailed` after a shutdown caused by the engine loop giving up (see `AsyncEngine`).
+    The port is bound before the model loads: a port in use or a bad host raises `StartupError` with nothing
+    loaded, as does an unusable `PROMETHEUS_MULTIPROC_DIR`. Raises `EngineFailed` after a shutdown caused by the
+    engine loop giving up (see `AsyncEngine`).
     """
+    _log_to_stderr(config.log_level)
+    check_metrics_dir()
+    sockets = listen(config.host, config.port)
+    try:
+        _serve(config, sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _serve(config: ServerConfig, sockets: list[socket.socket]) -> None:
     import uvicorn
 
-    _log_to_stderr()
+    if config.port == 0:  # the port the kernel chose, for the start-up line
+        config = dataclasses.replace(config, port=sockets[0].getsockname()[1])
     engine = Engine.from_workflow(**config.engine_args())
     with engine:
         app = create_app(engine, config)
         service = app.state.service
         logging.getLogger("wde").info(startup_line(config, service.info, service.model_names))
-        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                               access_log=config.access_log))
+        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                               access_log=config.access_log,
+                                               http=http_protocol(config, service.metrics)))
         fatal: list[BaseException] = []
 
         def on_fatal(error: BaseException) -> None:
@@ -119,9 +141,11 @@ def run_server(config: ServerConfig) -> None:
         app.state.service.engine.on_fatal = on_fatal
         # uvicorn re-raises a caught SIGTERM after its graceful shutdown, with the handler that was in place
         # before it started; with the default one the process would die by the signal (exit 143), not exit 0.
-        previous = signal.signal(signal.SIGTERM, lambda *_: None) if _main_thread() else None
+        # This one also stops a server that is told to before uvicorn's own handler is in place.
+        previous = (signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+                    if _main_thread() else None)
         try:
-            server.run()
+            server.run(sockets=sockets)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)

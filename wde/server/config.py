@@ -32,6 +32,26 @@ class ServerConfig:
     """One log line per request; off by default because formatting it costs more than a small model's batch."""
     quantization_ranges: str | None = None
     """A .npy (2, dim) array of per-dimension minima/maxima for int8/uint8 embeddings (wde/server/quantize.py)."""
+    allowed_origins: tuple[str, ...] = ()
+    """Web origins (`https://app.example.com`, scheme://host[:port]) whose pages may call the server from a browser;
+    `*` allows any. None by default: a request with an `Origin` header is a web page's and is answered 403
+    (wde/server/middleware.py `OriginMiddleware`)."""
+    log_level: str = "info"
+    """The server's log level (critical, error, warning, info, debug); debug also prints the traceback of a
+    start-up failure after its one line."""
+    request_timeout: float = 300.0
+    """Seconds a request may wait for the engine (queued and running) before its inputs are aborted there and it
+    is answered 503 with Retry-After; 0: no deadline. 300 s is over twice the longest legal request (2,048 inputs of
+    256 tokens: 117 s for all-MiniLM-L6-v2 on a shared 2-core CPU), so the default never cuts legitimate work."""
+    stall_timeout: float = 15.0
+    """/health answers 503 while the engine loop has not finished a step for this many seconds (a hung step, a
+    frozen core); 0: never. A step of the bundled model takes under 1 s even on a busy 2-core CPU."""
+    header_timeout: float = 10.0
+    """Seconds a connection has to send a request's headers (from its first byte, or from connecting); then it is
+    answered 408 and closed, so slowloris connections cannot be held; 0: no limit."""
+    body_timeout: float = 60.0
+    """Seconds a request's body has to arrive after its headers; then it is answered 408 and the connection closed;
+    0: no limit."""
 
     def engine_args(self) -> dict[str, object]:
         """What `Engine.from_workflow` / `wde.engine.resolve` are given to build what this server serves."""
@@ -59,6 +79,16 @@ class ServerConfig:
             raise ValueError("api_key is empty: an empty key would turn authentication off; give a key, or none")
         if self.max_client_batch_size < 1:
             raise ValueError(f"max_client_batch_size must be at least 1, got {self.max_client_batch_size}")
+        for name in ("request_timeout", "stall_timeout", "header_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a number of seconds, 0 or more (0: no limit), got {value}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.allowed_origins:
+            from wde.server.middleware import normalize_origin
+
+            self.allowed_origins = tuple(dict.fromkeys(normalize_origin(o) for o in self.allowed_origins))
         if self.payload_limit is not None and self.payload_limit < 1:
             raise ValueError(f"payload_limit must be at least 1 byte, got {self.payload_limit}")
         if self.served_model_name is not None and not self.served_model_name.strip(" ,"):
@@ -68,6 +98,8 @@ class ServerConfig:
 
             load_ranges(self.quantization_ranges)  # a bad file fails at start-up, not at the first request
 
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 BYTES_PER_TOKEN = 16
 """Generous JSON bytes for one token of an input: English text runs at 4 to 6 bytes per token, token ids at up

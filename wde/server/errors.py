@@ -13,7 +13,8 @@ from fastapi import Request
 from wde.server.responses import JSONResponse
 
 ErrorKind = Literal["empty", "validation", "too_long", "not_found", "unauthorized", "unsupported", "overloaded",
-                    "backend", "unhealthy", "bad_json", "bad_text", "too_large", "not_allowed"]
+                    "backend", "unhealthy", "bad_json", "bad_text", "too_large", "not_allowed", "timeout",
+                    "client_timeout", "forbidden", "unsupported_media"]
 Style = Literal["openai", "tei"]
 
 STATUS: dict[str, int] = {
@@ -21,23 +22,29 @@ STATUS: dict[str, int] = {
     "bad_json": 400,
     "bad_text": 400,
     "unauthorized": 401,
+    "forbidden": 403,
     "not_found": 404,
     "not_allowed": 405,
+    "client_timeout": 408,
     "too_large": 413,
+    "unsupported_media": 415,
     "validation": 422,
     "too_long": 422,
     "unsupported": 424,
     "overloaded": 429,
     "backend": 500,
     "unhealthy": 503,
+    "timeout": 503,
 }
 
 _OPENAI_TYPE: dict[str, str] = {
     "unauthorized": "authentication_error",
+    "forbidden": "permission_error",
     "not_found": "invalid_request_error",
     "overloaded": "rate_limit_error",
     "backend": "internal_server_error",
     "unhealthy": "service_unavailable",
+    "timeout": "service_unavailable",
 }
 
 _TEI_TYPE: dict[str, str] = {
@@ -52,7 +59,11 @@ _TEI_TYPE: dict[str, str] = {
     "backend": "backend",
     "overloaded": "overloaded",
     "unhealthy": "unhealthy",
+    "timeout": "overloaded",
+    "client_timeout": "validation",
     "unauthorized": "unauthorized",
+    "forbidden": "unauthorized",
+    "unsupported_media": "validation",
     "not_found": "validation",
 }
 
@@ -63,11 +74,14 @@ TEI_PATHS = frozenset({"/embed", "/embed_all", "/embed_sparse", "/rerank", "/pre
 class ApiError(Exception):
     """A request the server refuses or could not serve; `param` names the offending field when there is one."""
 
-    def __init__(self, kind: ErrorKind, message: str, param: str | None = None) -> None:
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.param = param
+        self.headers = headers or {}
+        """Sent with the error response (e.g. Retry-After)."""
 
     @property
     def status(self) -> int:
@@ -95,7 +109,9 @@ def error_response(error: ApiError, style: Style) -> JSONResponse:
 
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return error_response(exc, error_style(request))
+    response = error_response(exc, error_style(request))
+    response.headers.update(exc.headers)
+    return response
 
 
 def request_id(request: Request) -> str:

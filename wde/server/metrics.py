@@ -3,7 +3,8 @@
 With the engine core in its own process (`wde serve --api-servers N`) every process writes its samples to
 prometheus-client's multiprocess directory and any API server's /metrics sums them: counters and histograms add
 up over processes, the core sets the queue and restart gauges, each API server its own in-flight gauges, and
-`wde_engine_healthy` is the minimum over processes.
+`wde_engine_healthy` is the minimum over processes. `wde_engine_seconds_since_step` is read from the engine's
+heartbeat when scraped (an API server reads the core's), so it keeps growing while the core is frozen.
 
 Tokens per second is `rate(wde_prompt_tokens_total[1m])`; the mean server-formed batch size is
 `wde_batch_size_sum / wde_batch_size_count`.
@@ -62,6 +63,12 @@ class ServerMetrics:
                               multiprocess_mode="max")
         self.healthy = Gauge("wde_engine_healthy", "1 while the engine loop runs, 0 once it gave up", registry=r,
                              multiprocess_mode="min")
+        self.since_step = Gauge("wde_engine_seconds_since_step", "seconds since the engine loop last finished a step"
+                                " or looked at an empty queue: near 0 unless a step runs or the loop is hung or frozen"
+                                " (/health answers 503 past --stall-timeout)", registry=r,
+                                multiprocess_mode="mostrecent")
+        self.timeouts = Counter("wde_request_timeouts", "requests answered 503 because --request-timeout passed"
+                                " (their inputs aborted in the engine)", registry=r)
 
     def bind(self, engine: Any) -> None:
         """Gauges read the live engine (an `AsyncEngine`, or an API server's `CoreClient`) at scrape time; in
@@ -78,7 +85,8 @@ class ServerMetrics:
     def _api_gauges(self, engine: Any) -> tuple[tuple[Gauge, Any], ...]:
         """The gauges the API side of the engine knows (the queue and restarts are the engine loop's)."""
         return ((self.pending, lambda: engine.num_pending), (self.active, lambda: engine.active_calls),
-                (self.aborted, lambda: engine.num_aborted), (self.healthy, lambda: float(engine.healthy)))
+                (self.aborted, lambda: engine.num_aborted), (self.healthy, lambda: float(engine.healthy)),
+                (self.since_step, lambda: engine.seconds_since_step))
 
     def refresh(self) -> None:
         """Write this API server's gauges (multiprocess mode; the core writes its own in `on_core_step`)."""

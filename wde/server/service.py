@@ -1,9 +1,11 @@
 """What every route shares: the engine behind the API, limits, the model-name check, and `run`, which turns
-inputs into outputs (or into the right `ApiError`) while watching for the client going away."""
+inputs into outputs (or into the right `ApiError`) while watching for the client going away and for the request's
+deadline (`--request-timeout`); `liveness` is what /health reports."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -13,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import numpy as np
 from fastapi import Request
 
-from wde.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, input_names
+from wde.async_engine import AsyncEngine, EngineOverloaded, EngineTimeout, EngineUnavailable, input_names
 from wde.core.client import CoreClient
 from wde.engine_info import EngineInfo
 from wde.errors import RequestError
@@ -27,7 +29,7 @@ _NEEDS = {
     "dense": "an embedding model (output 'dense')",
     "score": "a cross-encoder reranker (output 'score')",
     "probs": "a sequence classifier (output 'probs')",
-    "sparse": "a sparse-embedding model such as bge-m3 (output 'sparse')",
+    "sparse": "a sparse-embedding model such as bge-m3 or SPLADE (output 'sparse')",
 }
 
 
@@ -44,6 +46,12 @@ _KIND: dict[str, ErrorKind] = {"empty": "empty", "encoding": "bad_text", "too_lo
 """RequestError kinds → API error kinds (anything else the input caused is "validation")."""
 
 T = TypeVar("T")
+
+log = logging.getLogger("wde.server")
+
+RETRY_AFTER_S = 5
+"""Retry-After of a 503 for a request that ran past its deadline: long enough not to pile retries onto an engine
+that is behind, short against the deadline itself."""
 
 
 def api_error(error: RequestError) -> ApiError:
@@ -82,6 +90,19 @@ class Service:
         """What responses call the model: never a local path (a model folder is named by its last component)."""
         self.created = int(time.time())
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wde-tokenize-api")
+
+    def liveness(self) -> str | None:
+        """None while the engine serves; else why not, for /health's 503: the loop stopped or gave up, or it has
+        not finished a step for longer than `stall_timeout` (a hung step, a frozen engine core)."""
+        engine = self.engine
+        if not engine.healthy:
+            return "the engine is not running" + (f": {engine.error}" if engine.error else "")
+        limit = self.config.stall_timeout
+        stalled = engine.seconds_since_step
+        if limit and stalled > limit:
+            return (f"the engine has not finished a step for {stalled:.1f} s (limit {limit:g} s, wde serve"
+                    " --stall-timeout): it is hung, frozen or swamped; requests wait until it steps again")
+        return None
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work for a route (/tokenize) on the service's own thread, off the event loop and the
@@ -124,8 +145,12 @@ class Service:
 
     def require(self, output: str, route: str) -> None:
         if output not in self.supported:
+            hint = ""
+            if output == "dense" and "sparse" in self.supported:  # a sparse-only model (SPLADE)
+                hint = ("; this model gives sparse embeddings only: POST /embed_sparse (TEI: [{index, value}] per"
+                        " input) or /pooling (OpenAI-style list with {token_id: weight})")
             raise ApiError("unsupported", f"{route} needs {_NEEDS.get(output, repr(output))}, but workflow"
-                           f" {self.info.workflow!r} produces {list(self.produces)}")
+                           f" {self.info.workflow!r} produces {list(self.produces)}{hint}")
 
     def labels(self) -> list[str]:
         """Class names in class-id order: the pooler's `labels`, else the model config's id2label."""
@@ -152,12 +177,19 @@ class Service:
                     where = name if isinstance(name, str) else name[1]
                     raise ApiError("validation", TOKEN_IDS_REFUSED.format(name=where), where)
         rid = request_id(request)
+        timeout = self.config.request_timeout or None
         try:
-            outputs = await _unless_disconnected(request, self.engine.encode(inputs, params, names, rid))
+            outputs = await _unless_disconnected(request, self.engine.encode(inputs, params, names, rid, timeout))
         except RequestError as e:
             raise api_error(e) from None
         except EngineOverloaded as e:
             raise ApiError("overloaded", str(e)) from None
+        except EngineTimeout as e:
+            self.metrics.timeouts.inc()
+            log.warning("request %s: no answer within the request timeout of %g s; its inputs were aborted, answered"
+                        " 503 (the engine last finished a step %.1f s ago)", rid, timeout,
+                        self.engine.seconds_since_step)
+            raise ApiError("timeout", str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineUnavailable as e:
             raise ApiError("unhealthy", str(e)) from None
         internal = False

@@ -206,8 +206,21 @@ async def _predict(request: Request, raw: Any) -> JSONResponse:
     return JSONResponse(predictions, headers=result.headers)
 
 
+TOKENIZE_MAX_TOKENS = 65_536
+"""Tokens one /tokenize request may answer, all its texts together (at least one input of the model's max length).
+Each token is an object of ~80-140 bytes of JSON, so a 1 MB text (~250,000 tokens) would answer ~34 MB: the answer
+is bounded at ~9 MB instead, and a larger request is refused (422 naming `inputs` and the limit) before any of it
+is built."""
+
+
+class _TooManyTokens(Exception):
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+
 @router.post("/tokenize", openapi_extra=body_schema(TeiTokenizeRequest))
 async def tokenize(request: Request) -> JSONResponse:
+    """Each text's tokens with their character offsets; at most `TOKENIZE_MAX_TOKENS` tokens per request."""
     svc = service(request)
     body = parse(TeiTokenizeRequest, await read_json(request))
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
@@ -231,14 +244,22 @@ async def tokenize(request: Request) -> JSONResponse:
         raise ApiError("validation", f"prompt_name {body.prompt_name!r} is not defined; defined prompts:"
                        f" {sorted(prompts) or 'none'}", "prompt_name")
     prefix = prompts[body.prompt_name] if body.prompt_name else ""
-    tokens = await svc.off_loop(_tokens, component, [prefix + t for t in texts], body.add_special_tokens)
+    limit = max(TOKENIZE_MAX_TOKENS, svc.info.max_length)
+    try:
+        tokens = await svc.off_loop(_tokens, component, [prefix + t for t in texts], body.add_special_tokens, limit)
+    except _TooManyTokens as e:
+        raise ApiError("validation", f"inputs: /tokenize answers at most {limit:,} tokens per request and these"
+                       f" texts have {e.count:,}; send fewer or shorter texts", "inputs") from None
     return JSONResponse(tokens)
 
 
-def _tokens(component: Any, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
+def _tokens(component: Any, texts: list[str], add_special_tokens: bool, limit: int) -> list[list[dict]]:
     tokenizer = component.hf_tokenizer  # this thread's own copy
     enc = tokenizer(texts, add_special_tokens=add_special_tokens, return_offsets_mapping=True,
                     return_attention_mask=False, return_token_type_ids=False)
+    count = sum(len(ids) for ids in enc["input_ids"])
+    if count > limit:
+        raise _TooManyTokens(count)
     special = set(tokenizer.all_special_ids)
     out = []
     for text, ids, offsets in zip(texts, enc["input_ids"], enc["offset_mapping"]):
@@ -291,11 +312,11 @@ async def info(request: Request) -> JSONResponse:
 @router.get("/ping")  # SageMaker's
 @router.get("/")  # TEI's "Inference API health route"
 async def health(request: Request) -> JSONResponse:
-    """200 with Infinity's `{"unix": time}` (TEI's clients read only the status) while the engine runs."""
-    svc = service(request)
-    if not svc.engine.healthy:
-        return error_response(ApiError("unhealthy", "the engine is not running"
-                                       + (f": {svc.engine.error}" if svc.engine.error else "")), "tei")
+    """200 with Infinity's `{"unix": time}` (TEI's clients read only the status) while the engine runs and steps;
+    503 once it stopped, or has not finished a step for longer than --stall-timeout (`Service.liveness`)."""
+    problem = service(request).liveness()
+    if problem is not None:
+        return error_response(ApiError("unhealthy", problem), "tei")
     return JSONResponse({"unix": time.time()})
 
 
