@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -147,6 +148,34 @@ def test_the_loop_restarts_after_a_crash_and_nobody_waits_forever(crashing_engin
             engine.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_request_arriving_while_the_loop_restarts_is_served(crashing_engine: Engine) -> None:
+    """The engine's queues are reset in the same step as the waiting callers are failed: a request sent the moment
+    its predecessor got `EngineRestarted` used to land in the queue just before the reset emptied it, and wait for
+    ever (the reset is slowed down here to make that window wide)."""
+    reset = crashing_engine.reset
+
+    def slow_reset() -> list[str]:
+        time.sleep(0.5)
+        return reset()
+
+    async def scenario() -> None:
+        engine = AsyncEngine(crashing_engine)
+        engine.start()
+        try:
+            with pytest.raises(EngineRestarted):
+                await asyncio.wait_for(engine.encode(["crash now"], PoolingParams()), 300)
+            out = await asyncio.wait_for(engine.encode(["right after the restart"], PoolingParams()), 30)
+            assert out[0].ok and engine.num_pending == 0
+        finally:
+            engine.stop()
+
+    crashing_engine.reset = slow_reset  # type: ignore[method-assign]
+    try:
+        asyncio.run(scenario())
+    finally:
+        del crashing_engine.reset
 
 
 def test_the_loop_gives_up_after_repeated_crashes(crashing_engine: Engine) -> None:
