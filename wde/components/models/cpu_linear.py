@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -30,6 +31,13 @@ from transformers.activations import GELUActivation, GELUTanh, NewGELUActivation
 
 from wde.components.models.mixed_precision import CastLinear
 from wde.components.params import CpuLinear  # the choice lives with ModelParams, torch-free
+
+# Packed batches have a new token count almost every batch, and oneDNN keeps a primitive per shape: with its
+# default caches (1,024 entries) a server's RSS grew by ~1 MB per new count (a linear 384x384 over 1,500 random
+# counts: 1,116 MiB; with these caps 528 MiB; measured with benchmarks/soak.py's findings). oneDNN and PyTorch read
+# them when their first primitive is made, which comes after this import; a value set by the user wins.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 
 log = logging.getLogger("wde.models")
 
