@@ -7,6 +7,7 @@ model at real size (e.g. `--size xlmr-large`), since speed does not depend on we
     python benchmarks/throughput.py                          # CPU, MiniLM, fp32
     python benchmarks/throughput.py --dtype bfloat16         # WDE in bf16 vs sentence-transformers in fp32
     python benchmarks/throughput.py --size xlmr-large --device cuda --dtype float16 --n 20000
+    python benchmarks/throughput.py --size modernbert-base --n 300 --mean-words 200   # windows exercised on CPU
     python benchmarks/throughput.py --variant runner.params.cpu_streams=1   # also WDE with this setting, alternated
     python benchmarks/throughput.py --dtype bfloat16 --variant model.params.mixed_precision=false  # mixed vs pure bf16
 
@@ -42,6 +43,10 @@ SIZES = {
     "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
     "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
     "xlmr-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+    # answerdotai/ModernBERT-base's shape: local attention (128) in two layers of three, GeGLU, rotary
+    "modernbert-base": dict(hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152,
+                            global_attn_every_n_layers=3, local_attention=128, global_rope_theta=160000.0,
+                            local_rope_theta=10000.0, norm_bias=False, attention_bias=False, mlp_bias=False),
     "qwen2-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                        intermediate_size=8960),
 }
@@ -57,6 +62,12 @@ def random_model(size: str, tokenizer_src: Path, out: Path) -> Path:
         cfg = Qwen2Config(vocab_size=len(tok), max_position_embeddings=32768, **SIZES[size])
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
             model = Qwen2Model(cfg).half()
+    elif size.startswith("modernbert"):
+        from transformers import ModernBertConfig, ModernBertModel
+
+        cfg = ModernBertConfig(vocab_size=len(tok), max_position_embeddings=8192, pad_token_id=tok.pad_token_id,
+                               cls_token_id=tok.cls_token_id, sep_token_id=tok.sep_token_id, **SIZES[size])
+        model = ModernBertModel(cfg)
     elif size.startswith("xlmr"):
         cfg = XLMRobertaConfig(vocab_size=len(tok), max_position_embeddings=514, pad_token_id=1, **SIZES[size])
         model = XLMRobertaModel(cfg)
