@@ -74,18 +74,27 @@ _ACTIVE: SignalGuard | None = None
 
 
 @contextmanager
-def deferred(raise_after: bool = True) -> Iterator[None]:
-    """A section a signal must not cut (a shard's rename and journal line): the signal is raised when it ends
-    (or, with `raise_after=False`, only noted: the run is complete and exits normally). A no-op without a guard."""
+def _held() -> Iterator[SignalGuard | None]:
+    """The active guard (None without one) holding signals back while the block runs."""
     guard = _ACTIVE
     if guard is None:
-        yield
+        yield None
         return
     guard._hold += 1
     try:
-        yield
+        yield guard
     finally:
         guard._hold -= 1
+
+
+@contextmanager
+def deferred(raise_after: bool = True) -> Iterator[None]:
+    """A section a signal must not cut (a shard's rename and journal line): the signal is raised when it ends
+    (or, with `raise_after=False`, only noted: the run is complete and exits normally). A no-op without a guard."""
+    with _held() as guard:
+        yield
+    if guard is None:
+        return
     if not raise_after:
         guard._raised = True
     elif not guard._hold:
@@ -95,15 +104,8 @@ def deferred(raise_after: bool = True) -> Iterator[None]:
 @contextmanager
 def polled() -> Iterator[None]:
     """Signals are only noted; the caller's loop calls `check()` often (a loop waiting on queues with a timeout)."""
-    guard = _ACTIVE
-    if guard is None:
+    with _held():
         yield
-        return
-    guard._hold += 1
-    try:
-        yield
-    finally:
-        guard._hold -= 1
 
 
 def check() -> None:

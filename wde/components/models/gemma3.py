@@ -36,7 +36,7 @@ from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.base import ModelParams, PrefillModel
 from wde.components.models.config_view import ConfigView
-from wde.components.models.decoder_layers import GatedMLP
+from wde.components.models.decoder_layers import DecoderModel, GatedMLP
 from wde.components.models.loader import fused_linear
 from wde.components.models.rotary import RotaryEmbedding
 from wde.errors import ModelLoadError
@@ -126,13 +126,7 @@ class Gemma3TextModel(PrefillModel):
 
     name = "gemma3"
     checkpoint_prefixes = ("model.",)
-    packed_modules_mapping = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-        "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-        "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-        "mlp.up_proj": ("mlp.gate_up_proj", 1),
-    }
+    packed_modules_mapping = DecoderModel.packed_modules_mapping  # the same fused q|k|v and gate|up
     uses_attention_window = True
     model_types = ("gemma3_text",)
 

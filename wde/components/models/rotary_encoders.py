@@ -21,7 +21,7 @@ from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.base import ModelParams, PrefillModel
 from wde.components.models.bert import BertEmbeddings
-from wde.components.models.decoder_layers import DecoderAttention
+from wde.components.models.decoder_layers import DecoderAttention, DecoderModel
 from wde.components.models.fused import add_layer_norm
 from wde.components.models.loader import fused_linear
 from wde.components.models.rotary import RotaryEmbedding
@@ -170,13 +170,7 @@ class NomicBertModel(RotaryEncoderModel):
         "norm1": "post_attention_layernorm",
         "norm2": "post_mlp_layernorm",
     }
-    packed_modules_mapping = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-        "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-        "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-        "mlp.up_proj": ("mlp.gate_up_proj", 1),
-    }
+    packed_modules_mapping = DecoderModel.packed_modules_mapping  # the same fused q|k|v and gate|up
     biases = {"qkv_bias": False, "o_bias": False, "gate_up_bias": False, "down_bias": False}
 
     def read_spec(self, cfg: Any, raw: dict, where: str) -> SimpleNamespace:
