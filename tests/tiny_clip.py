@@ -37,9 +37,10 @@ def clip_tokenizer():
     return CLIPTokenizer(vocab=model["vocab"], merges=merges, model_max_length=40)
 
 
-def siglip_tokenizer():
+def siglip_tokenizer(pad_token: str = "</s>", max_length: int = 32, padding_side: str = "right"):
     """A Unigram tokenizer (SentencePiece style: lowercase, Metaspace) appending `</s>`, with `</s>` as the pad
-    token as SigLIP's has, as a fast tokenizer (SigLIP's own class needs the sentencepiece package)."""
+    token as SigLIP's has (SigLIP 2's Gemma tokenizer pads with `<pad>`, id 0), as a fast tokenizer (SigLIP's own
+    class needs the sentencepiece package)."""
     from transformers import PreTrainedTokenizerFast
 
     tk = Tokenizer(models.Unigram())
@@ -49,8 +50,8 @@ def siglip_tokenizer():
         vocab_size=300, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"))
     tk.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     tk.decoder = decoders.Metaspace()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", pad_token="</s>", unk_token="<unk>",
-                                   model_max_length=32)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", pad_token=pad_token, unk_token="<unk>",
+                                   model_max_length=max_length, padding_side=padding_side)
 
 
 def _jitter(model: torch.nn.Module, seed: int) -> None:
@@ -109,6 +110,36 @@ def build_siglip(folder: Path) -> Path:
         "image_processor_type": "SiglipImageProcessor", "do_resize": True, "size": {"height": 30, "width": 30},
         "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}))
+    return folder
+
+
+SIGLIP2_PATCH, SIGLIP2_MAX_PATCHES = 4, 24
+"""The tiny SigLIP 2's patch size and its image processor's max_num_patches (its position table is 4 x 4)."""
+
+
+def build_siglip2(folder: Path, *, padding_side: str = "right", max_num_patches: int = SIGLIP2_MAX_PATCHES) -> Path:
+    """A tiny random Siglip2Model (NaFlex) folder: 4-pixel patches, a 4 x 4 position grid resized per image, and a
+    Siglip2ImageProcessor making at most `max_num_patches` patches; texts padded to 64 tokens with `<pad>`."""
+    from transformers import AutoTokenizer, Siglip2Config, Siglip2Model
+
+    siglip_tokenizer(pad_token="<pad>", max_length=64, padding_side=padding_side).save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "siglip2"}))  # replaced by the model's below
+    tok = AutoTokenizer.from_pretrained(folder)  # in a siglip2 folder a Siglip2Tokenizer, which adds <bos>, <mask>
+    cfg = Siglip2Config(
+        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id, bos_token_id=None, projection_size=32),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_patches=16, patch_size=SIGLIP2_PATCH))
+    cfg.architectures = ["Siglip2Model"]
+    torch.manual_seed(0)
+    model = Siglip2Model(cfg).eval()
+    _jitter(model, 3)
+    model.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Siglip2ImageProcessor", "do_resize": True, "patch_size": SIGLIP2_PATCH,
+        "max_num_patches": max_num_patches, "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255,
+        "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}))
     return folder
 
 

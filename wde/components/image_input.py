@@ -1,5 +1,5 @@
-"""Image inputs for two-tower embedders (CLIP, SigLIP): what counts as an image, decoding it safely, and turning it
-into the model's pixel values exactly as its image processor would.
+"""Image inputs for two-tower embedders (CLIP, SigLIP, SigLIP 2 NaFlex): what counts as an image, decoding it
+safely, and turning it into the model's pixel values exactly as its image processor would.
 
 Admission (`Engine.make_request`) only checks an image: its byte size, its base64, and its header (a format
 Pillow reads, width x height within the pixel limit, a supported mode). Decoding and preprocessing wait until the
@@ -12,7 +12,9 @@ such as `"size": 224` mean what they mean there), and reproduces transformers' P
 to RGB (transparency composited onto white), resize with Pillow's filter, center crop, rescale in float64 then
 float32, normalize in float32. The result equals `AutoImageProcessor.from_pretrained(folder, backend="pil")` bit
 for bit (tests/test_clip_siglip.py). transformers' torchvision backend (its default when torchvision is installed)
-resizes with torch's antialiased bicubic and differs from both by a few intensity levels here and there.
+resizes with torch's antialiased bicubic and differs from both by a few intensity levels here and there. A NaFlex
+processor (`Siglip2ImageProcessor`) keeps each image's aspect ratio and cuts it into a patch grid whose size varies
+per image (wde/components/naflex.py); admission then computes each image's length from its header.
 
 An image request refused here raises `RequestError` naming the input, with kind "bad_image" (not an image,
 truncated or corrupt, an unsupported mode, an image URL) or "image_too_large" (over the byte or pixel limit).
@@ -28,7 +30,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
@@ -37,6 +39,9 @@ from wde.components.input_processor import InputName, TextInputProcessor
 from wde.components.params import ImageTextInputParams
 from wde.errors import ModelLoadError, RequestError, one_line
 from wde.request import ImagePrompt, PoolingParams, Prompt
+
+if TYPE_CHECKING:
+    from wde.components.naflex import NaFlexPreprocessor
 
 BAD_IMAGE = "bad_image"
 TOO_LARGE = "image_too_large"
@@ -52,6 +57,9 @@ _DATA_URI = re.compile(r"data:image/[A-Za-z0-9.+-]+((?:;[A-Za-z0-9=._+-]+)*?)(;b
 
 CLASS_TOKENS: dict[str, int] = {"clip": 1, "siglip": 0}
 """Tokens a vision tower adds to an image's patches, by config `model_type` (CLIP's class token; SigLIP has none)."""
+
+NAFLEX_MODELS = ("siglip2",)
+"""Config `model_type`s whose vision tower takes NaFlex patch grids of any shape (wde/components/naflex.py)."""
 
 _PROCESSORS = ("CLIPImageProcessor", "CLIPFeatureExtractor", "SiglipImageProcessor")
 """Image processor classes (with or without their Fast / Pil suffix) whose pipeline `ImagePreprocessor` implements."""
@@ -95,23 +103,15 @@ class ImagePreprocessor:
 
     @classmethod
     def from_source(cls, source: Any) -> "ImagePreprocessor":
-        where = source.path / "preprocessor_config.json"
-        if source.read_json("preprocessor_config.json") is None:
-            raise ModelLoadError(f"{source.path} has no preprocessor_config.json: an image-text workflow preprocesses"
-                                 " images exactly as the model's image processor says, so its config must be there"
-                                 " (save_pretrained the model's image processor or processor into the folder)")
-        import transformers
-        from transformers import AutoImageProcessor
-
-        kwargs = {"backend": "pil"} if int(transformers.__version__.split(".")[0]) >= 5 else {"use_fast": False}
-        try:
-            proc = AutoImageProcessor.from_pretrained(source.path, trust_remote_code=False, **kwargs)
-        except Exception as e:  # noqa: BLE001 - any refusal of the config is the folder's fault
-            raise ModelLoadError(f"cannot read {where}: {one_line(e)}") from None
-        name = type(proc).__name__.removesuffix("Pil").removesuffix("Fast")
+        name, proc, where = load_image_processor(source)
         if name not in _PROCESSORS:
-            raise ModelLoadError(f"{where}: image processor {type(proc).__name__} is not one WDE reproduces"
-                                 f" ({', '.join(_PROCESSORS)})")
+            raise ModelLoadError(f"{where}: image processor {type(proc).__name__} is not one WDE reproduces with a"
+                                 f" fixed output size ({', '.join(_PROCESSORS)})")
+        return cls.from_processor(name, proc, where)
+
+    @classmethod
+    def from_processor(cls, name: str, proc: Any, where: Any) -> "ImagePreprocessor":
+        """The pipeline of transformers' image processor `proc` (class `name`, read from `where`)."""
         if getattr(proc, "do_pad", None):
             raise ModelLoadError(f"{where}: do_pad is set, which {name} pipelines in WDE do not do")
         size = _size_dict(getattr(proc, "size", None))
@@ -177,15 +177,43 @@ class ImagePreprocessor:
         pixels = np.asarray(image).transpose(2, 0, 1)  # [C, H, W] uint8
         if self.crop_size is not None:
             pixels = center_crop(pixels, self.crop_size)
-        if self.do_rescale:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        elif not np.issubdtype(pixels.dtype, np.floating):
-            pixels = pixels.astype(np.float32)
-        if self.do_normalize:
-            mean = np.array(self.image_mean, dtype=pixels.dtype)
-            std = np.array(self.image_std, dtype=pixels.dtype)
-            pixels = ((pixels.T - mean) / std).T
+        pixels = rescale_normalize(pixels, self.rescale_factor if self.do_rescale else None,
+                                   (self.image_mean, self.image_std) if self.do_normalize else None)
         return np.ascontiguousarray(pixels, dtype=np.float32)
+
+
+def rescale_normalize(pixels: np.ndarray, rescale_factor: float | None,
+                      mean_std: tuple[tuple[float, ...], tuple[float, ...]] | None) -> np.ndarray:
+    """transformers' PIL-backend `rescale` (in float64, then float32) and `normalize` (in float32) of a [C, H, W]
+    array, operation for operation, so the result is theirs to the bit."""
+    if rescale_factor is not None:
+        pixels = (pixels.astype(np.float64) * rescale_factor).astype(np.float32)
+    elif not np.issubdtype(pixels.dtype, np.floating):
+        pixels = pixels.astype(np.float32)
+    if mean_std is not None:
+        mean = np.array(mean_std[0], dtype=pixels.dtype)
+        std = np.array(mean_std[1], dtype=pixels.dtype)
+        pixels = ((pixels.T - mean) / std).T
+    return pixels
+
+
+def load_image_processor(source: Any) -> tuple[str, Any, Any]:
+    """(class name without its Pil / Fast suffix, transformers' PIL-backend image processor, its config path) of a
+    model folder: read by transformers itself, so legacy keys mean what they mean there."""
+    where = source.path / "preprocessor_config.json"
+    if source.read_json("preprocessor_config.json") is None:
+        raise ModelLoadError(f"{source.path} has no preprocessor_config.json: an image-text workflow preprocesses"
+                             " images exactly as the model's image processor says, so its config must be there"
+                             " (save_pretrained the model's image processor or processor into the folder)")
+    import transformers
+    from transformers import AutoImageProcessor
+
+    kwargs = {"backend": "pil"} if int(transformers.__version__.split(".")[0]) >= 5 else {"use_fast": False}
+    try:
+        proc = AutoImageProcessor.from_pretrained(source.path, trust_remote_code=False, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any refusal of the config is the folder's fault
+        raise ModelLoadError(f"cannot read {where}: {one_line(e)}") from None
+    return type(proc).__name__.removesuffix("Pil").removesuffix("Fast"), proc, where
 
 
 def _short(text: str, at_most: int = 120) -> str:
@@ -255,10 +283,28 @@ class ImageTextInputProcessor(TextInputProcessor):
         if params.pairs != "forbid":
             raise ModelLoadError("input_processor.params.pairs must be 'forbid': an image-text embedder embeds single"
                                  " texts and images")
-        self.preprocessor = ImagePreprocessor.from_source(ctx.source)
-        self.image_size: tuple[int, int] = self.preprocessor.output_size  # type: ignore[assignment]
-        self.image_tokens = vision_tokens(ctx.source, self.image_size)
-        """Tokens each image takes in the vision tower (its patches, plus a class token where the model has one)."""
+        from wde.components.naflex import NaFlexPreprocessor  # it builds on this module's helpers
+
+        self.preprocessor: ImagePreprocessor | NaFlexPreprocessor = image_preprocessor(ctx.source)
+        self.naflex: NaFlexPreprocessor | None = None
+        """The NaFlex pipeline (SigLIP 2) when images keep their aspect ratio and vary in length; else None."""
+        self.image_size: tuple[int, int] | None = None
+        """(height, width) of every preprocessed image; None for NaFlex."""
+        self.image_tokens: int | None = None
+        """Tokens each image takes in the vision tower (its patches, plus a class token where the model has one);
+        None for NaFlex, where `num_tokens(width, height)` depends on the image."""
+        if isinstance(self.preprocessor, NaFlexPreprocessor):
+            self.naflex = naflex_check(ctx.source, self.preprocessor)
+        else:
+            self.image_size = self.preprocessor.output_size
+            self.image_tokens = vision_tokens(ctx.source, self.image_size)  # type: ignore[arg-type]
+
+    def num_tokens(self, width: int, height: int) -> int:
+        """Sequence length of a width x height image (as decoded, before EXIF orientation) in the vision tower: a
+        constant for fixed-size models, its patch grid's size for NaFlex (which an EXIF rotation does not change)."""
+        if self.naflex is not None:
+            return self.naflex.num_tokens(width, height)
+        return self.image_tokens  # type: ignore[return-value]
 
     def to_prompt(self, inputs: Any, params: PoolingParams, field: InputName = "input") -> Prompt:
         name = field[1] if isinstance(field, tuple) else field
@@ -287,11 +333,11 @@ class ImageTextInputProcessor(TextInputProcessor):
             except Exception as e:  # noqa: BLE001 - a truncated file behind the caller's image
                 raise RequestError(f"{field} is a truncated or corrupt image: {one_line(e)}", field,
                                    kind=BAD_IMAGE) from None
-            return ImagePrompt(value, self.image_tokens, value.width * value.height)
+            return ImagePrompt(value, self.num_tokens(value.width, value.height), value.width * value.height)
         data = self._image_bytes(value, field)
         with self._open(data, field) as image:
             self._check_image(image, field)
-            return ImagePrompt(data, self.image_tokens, image.width * image.height)
+            return ImagePrompt(data, self.num_tokens(image.width, image.height), image.width * image.height)
 
     def preprocess(self, prompt: ImagePrompt, field: str = "input") -> np.ndarray:
         """The pixel values of an admitted image: decoded (EXIF orientation applied), converted and preprocessed
@@ -316,11 +362,30 @@ class ImageTextInputProcessor(TextInputProcessor):
         data = prompt.data
         if not isinstance(data, np.ndarray):
             return self.image_prompt(data, field)
-        expected = (3, *self.image_size)
+        if self.naflex is not None:
+            return self._check_patches(data, field)
+        expected = (3, *self.image_size)  # type: ignore[misc]
         if data.dtype != np.float32 or data.shape != expected:
             raise RequestError(f"{field}: prepared pixel values must be a float32 array of shape {expected}", field,
                                kind=BAD_IMAGE)
-        return ImagePrompt(data, self.image_tokens, 0)
+        return ImagePrompt(data, self.image_tokens, 0)  # type: ignore[arg-type]
+
+    def _check_patches(self, data: np.ndarray, field: str) -> ImagePrompt:
+        """A NaFlex image's prepared patches: float32 [h_patches, w_patches, 3 * patch_size**2], at most
+        max_num_patches of them (the model interpolates its position embeddings to any grid, but the processor
+        never makes more, and the scheduler budgets by this length)."""
+        pre = self.naflex
+        assert pre is not None
+        if data.dtype != np.float32 or data.ndim != 3 or data.shape[2] != pre.patch_dim or 0 in data.shape:
+            raise RequestError(f"{field}: prepared pixel values must be a float32 array of shape (h_patches,"
+                               f" w_patches, {pre.patch_dim}), got {data.dtype} {tuple(data.shape)}", field,
+                               kind=BAD_IMAGE)
+        tokens = int(data.shape[0] * data.shape[1])
+        if tokens > pre.max_num_patches:
+            raise RequestError(f"{field}: prepared pixel values have {data.shape[0]}x{data.shape[1]} = {tokens}"
+                               f" patches; the limit is {pre.max_num_patches} (the image processor's"
+                               " max_num_patches)", field, kind=TOO_LARGE)
+        return ImagePrompt(data, tokens, 0)
 
     def _check_image(self, image: Any, field: str) -> None:
         width, height = image.size
@@ -441,12 +506,48 @@ class ImageTextInputProcessor(TextInputProcessor):
         return image
 
 
+def image_preprocessor(source: Any) -> "ImagePreprocessor | NaFlexPreprocessor":
+    """The image pipeline of a model folder: fixed-size (CLIP, SigLIP) or NaFlex (SigLIP 2), by its image
+    processor's class."""
+    from wde.components.naflex import NAFLEX_PROCESSORS, NaFlexPreprocessor
+
+    name, proc, where = load_image_processor(source)
+    if name in NAFLEX_PROCESSORS:
+        return NaFlexPreprocessor.from_processor(name, proc, where)
+    if name not in _PROCESSORS:
+        raise ModelLoadError(f"{where}: image processor {type(proc).__name__} is not one WDE reproduces"
+                             f" ({', '.join(_PROCESSORS + NAFLEX_PROCESSORS)})")
+    return ImagePreprocessor.from_processor(name, proc, where)
+
+
+def naflex_check(source: Any, pre: "NaFlexPreprocessor") -> "NaFlexPreprocessor":
+    """`pre`, once the model is one whose vision tower takes NaFlex patches of the processor's patch size."""
+    cfg = source.hf_config
+    model_type = getattr(cfg, "model_type", None)
+    vision = getattr(cfg, "vision_config", None)
+    if model_type not in NAFLEX_MODELS or vision is None:
+        raise ModelLoadError(f"{source.path}: the image processor {pre.kind} makes variable-resolution (NaFlex)"
+                             f" patches, which config model_type {model_type!r} does not take (NaFlex models:"
+                             f" {', '.join(NAFLEX_MODELS)})")
+    patch = vision.patch_size
+    if not isinstance(patch, int) or patch != pre.patch_size:
+        raise ModelLoadError(f"{source.path}: the image processor cuts {pre.patch_size}-pixel patches but the vision"
+                             f" tower takes patch_size {patch} (vision_config.patch_size)")
+    if int(getattr(vision, "num_channels", 3)) != 3:
+        raise ModelLoadError(f"{source.path}: vision_config.num_channels is {vision.num_channels}; images are RGB")
+    return pre
+
+
 def vision_tokens(source: Any, size: tuple[int, int]) -> int:
     """Sequence length of one preprocessed image in the model's vision tower; refuses a processor whose output size
     is not the model's `vision_config.image_size`."""
     cfg = source.hf_config
     model_type = getattr(cfg, "model_type", None)
     vision = getattr(cfg, "vision_config", None)
+    if model_type in NAFLEX_MODELS:
+        raise ModelLoadError(f"{source.path}: config model_type {model_type!r} takes variable-resolution (NaFlex)"
+                             " patches, but the folder's image processor makes fixed-size images; save the model's"
+                             " own image processor (Siglip2ImageProcessor) into the folder")
     if model_type not in CLASS_TOKENS or vision is None:
         raise ModelLoadError(f"{source.path}: config model_type {model_type!r} is not a two-tower image-text model WDE"
                              f" knows ({', '.join(CLASS_TOKENS)})")

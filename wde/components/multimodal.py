@@ -6,8 +6,8 @@ SigLIP; docs/images.md):
   checked them), on worker threads; an image counts its vision-tower length against the token budget;
 - `packed_multimodal` (model input builder): packs a mixed batch as one `ModelInput`: an image is one sequence of
   placeholder tokens (its patches, plus a class token where the model has one) with its pixels in
-  `ModelInput.pixel_values` and `image_mask` marking which sequences are images. A text-only batch is built exactly
-  as `packed` builds it;
+  `ModelInput.pixel_values` (NaFlex patch grids of different shapes zero-padded to one) and `image_mask` marking
+  which sequences are images. A text-only batch is built exactly as `packed` builds it;
 - `projected` (pooler): the model already pooled and projected each sequence into the shared space (a row per
   sequence, in batch order); this applies per-request `dimensions` and normalization.
 
@@ -62,6 +62,8 @@ class ImageTextRequestProcessor(LazyTokenizeRequestProcessor):
                 raise ModelLoadError("request_processor.params.pad_text is max_length but neither the tokenizer nor"
                                      " the text config names a pad token")
             self._pad_id = int(pad)
+        self._pad_left = getattr(ctx.tokenizer.hf_tokenizer, "padding_side", "right") == "left"
+        """Pad before the text, as a tokenizer whose `padding_side` is left pads with padding="max_length"."""
 
     def is_large(self, request: Request) -> bool:
         if isinstance(request.prompt, ImagePrompt):
@@ -118,15 +120,25 @@ class ImageTextRequestProcessor(LazyTokenizeRequestProcessor):
         for res in results:
             if isinstance(res, SchedulableRequest) and res.num_tokens < self.max_length:
                 pad = self.max_length - res.num_tokens
-                types = res.token_type_ids + [0] * pad if res.token_type_ids is not None else None
-                res = replace(res, token_ids=res.token_ids + [self._pad_id] * pad, token_type_ids=types)
+                ids, types = [self._pad_id] * pad, None if res.token_type_ids is None else [0] * pad
+                if self._pad_left:
+                    res = replace(res, token_ids=ids + res.token_ids,
+                                  token_type_ids=None if types is None else types + res.token_type_ids)
+                else:
+                    res = replace(res, token_ids=res.token_ids + ids,
+                                  token_type_ids=None if types is None else res.token_type_ids + types)
             out.append(res)
         return out
 
 
 class MultimodalInputBuilder(PackedInputBuilder):
-    """`packed`, where a sequence may be an image: placeholder token ids (0), positions 0..n-1, its pixels stacked
-    into `pixel_values` in batch order, `image_mask` marking the image sequences."""
+    """`packed`, where a sequence may be an image: placeholder token ids, positions 0..n-1, its pixels stacked
+    into `pixel_values` in batch order, `image_mask` marking the image sequences.
+
+    Pixel arrays of one shape (CLIP, SigLIP: [3, height, width]) are stacked as they are. Arrays whose shapes differ
+    (NaFlex: [h_patches, w_patches, values]) are zero-padded at the end of each axis to the batch's largest, then
+    stacked; an image's placeholder token ids all hold the length of its array's first axis (NaFlex: its patch
+    rows; with its token count that gives its grid, which is how the model finds its patches in the padding)."""
 
     name = "packed_multimodal"
 
@@ -134,13 +146,29 @@ class MultimodalInputBuilder(PackedInputBuilder):
         seqs = batch.scheduled
         if all(s.pixel_values is None for s in seqs):
             return super().build(batch)
-        placeholders = SchedulerOutput([s if s.pixel_values is None else replace(s, token_ids=[0] * s.num_tokens)
-                                        for s in seqs])
+        placeholders = SchedulerOutput([
+            s if s.pixel_values is None else replace(s, token_ids=[int(s.pixel_values.shape[0])] * s.num_tokens)
+            for s in seqs])
         mi = super().build(placeholders)
-        pixels = torch.from_numpy(np.stack([s.pixel_values for s in seqs if s.pixel_values is not None]))
+        pixels = torch.from_numpy(stack_padded([s.pixel_values for s in seqs if s.pixel_values is not None]))
         if self._pin:
             pixels = pixels.pin_memory()
         return replace(mi, pixel_values=pixels, image_mask=[s.pixel_values is not None for s in seqs])
+
+
+def stack_padded(arrays: list[np.ndarray]) -> np.ndarray:
+    """The arrays stacked along a new first axis; where their shapes differ, each zero-padded at the end of every
+    axis to the largest."""
+    shape = arrays[0].shape
+    if all(a.shape == shape for a in arrays):
+        return np.stack(arrays)
+    if len({a.ndim for a in arrays}) != 1:
+        raise ValueError(f"pixel arrays of different ranks in one batch: {sorted({a.shape for a in arrays})}")
+    top = tuple(max(sizes) for sizes in zip(*(a.shape for a in arrays)))
+    out = np.zeros((len(arrays), *top), dtype=np.result_type(*arrays))
+    for i, a in enumerate(arrays):
+        out[(i, *(slice(0, n) for n in a.shape))] = a
+    return out
 
 
 class ProjectedPooler(Component):

@@ -54,6 +54,7 @@ _BUILTINS: tuple[tuple[str, str, str, type[Params]], ...] = (
     ("model", "modernbert", "models.modernbert:ModernBertModel", ModelParams),
     ("model", "clip", "models.clip:ClipModel", ModelParams),
     ("model", "siglip", "models.clip:SiglipModel", ModelParams),
+    ("model", "siglip2", "models.siglip2:Siglip2Model", ModelParams),
     ("model", "gemma3", "models.gemma3:Gemma3TextModel", ModelParams),
     ("model", "bert_mlm", "models.bert_mlm:BertForMaskedLM", ModelParams),
     ("model", "deberta_v2", "models.deberta_v2:DebertaV2Model", ModelParams),

@@ -40,6 +40,7 @@ DEFAULT_ARCHITECTURES: dict[str, str] = {
     "MPNetModel": "mpnet",
     "CLIPModel": "clip",
     "SiglipModel": "siglip",
+    "Siglip2Model": "siglip2",
     "Gemma3TextModel": "embeddinggemma",
     "DebertaV2Model": "deberta_v2",
     "DebertaV2ForSequenceClassification": "deberta_v2_sequence_classification",

@@ -155,9 +155,10 @@ class AttentionPoolingHead(nn.Module):
 
 
 class VisionTower(nn.Module):
-    def __init__(self, cfg: object, backend: object, *, clip: bool) -> None:
+    def __init__(self, cfg: object, backend: object, *, clip: bool, embeddings: nn.Module | None = None) -> None:
         super().__init__()
-        self.embeddings = PatchEmbeddings(cfg, class_token=clip, bias=not clip)
+        self.embeddings = embeddings if embeddings is not None else PatchEmbeddings(cfg, class_token=clip,
+                                                                                    bias=not clip)
         if clip:
             self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)  # transformers' spelling
         self.encoder = TowerEncoder(cfg, backend)
@@ -192,10 +193,14 @@ class ClipModel(PrefillModel):
             if c.hidden_size % c.num_attention_heads:
                 raise ModelLoadError(f"{part}: num_attention_heads {c.num_attention_heads} does not divide"
                                      f" hidden_size {c.hidden_size}")
+        self.check_vision(vision)
+        self.build_towers(cfg)
+
+    def check_vision(self, vision: object) -> None:
+        """Refuse a vision config this tower cannot take (here: a patch size that does not divide the image)."""
         if vision.image_size % vision.patch_size:
             raise ModelLoadError(f"vision_config: patch_size {vision.patch_size} does not divide image_size"
                                  f" {vision.image_size}")
-        self.build_towers(cfg)
 
     def build_towers(self, cfg: object) -> None:
         text, vision = cfg.text_config, cfg.vision_config
@@ -298,8 +303,11 @@ class SiglipModel(ClipModel):
             raise ModelLoadError(f"text_config.projection_size {size} differs from vision_config.hidden_size"
                                  f" {vision.hidden_size}: the towers do not share one space")
         self.text_model = TextTower(text, self.attn_backend, head=size)
-        self.vision_model = VisionTower(vision, self.attn_backend, clip=False)
+        self.vision_model = self.vision_tower(vision)
         self._embedding_size = int(size)
+
+    def vision_tower(self, vision: object) -> VisionTower:
+        return VisionTower(vision, self.attn_backend, clip=False)
 
     @property
     def embedding_size(self) -> int:

@@ -1,0 +1,265 @@
+"""SigLIP 2 NaFlex (`Siglip2Model`): each image keeps its aspect ratio and is a sequence of its own patch grid, so
+lengths vary per image in one batch. Both towers equal transformers' `get_text_features` / `get_image_features`
+(the reference run as its processor runs it: padded to max_num_patches with `pixel_attention_mask` and
+`spatial_shapes`), the patches equal `Siglip2ImageProcessor`'s unpadded rows, admission knows an image's length
+from its header alone, and prepared patch arrays and misfit folders are refused by name."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageOps
+
+from tests.tiny_clip import (CAPTIONS, SIGLIP2_MAX_PATCHES, SIGLIP2_PATCH, build_siglip2, encoded, image_of_mode,
+                             scene)
+from tests.tiny_models import varied_texts
+from wde import Engine, PoolingParams, RequestError
+from wde.components.image_input import BAD_IMAGE, TOO_LARGE
+from wde.components.naflex import size_for_max_num_patches
+from wde.errors import ModelLoadError
+from wde.request import ImagePrompt
+
+RAW = PoolingParams(normalize=False)
+MODES = ["RGB", "RGBA", "L", "LA", "P", "P+transparency", "CMYK", "I;16", "1", "YCbCr"]
+SIZES = [(41, 29), (23, 57), (30, 30), (7, 3), (301, 13), (1, 1), (13, 301), (64, 16), (17, 90), (5, 40)]
+"""Widths x heights of several aspect ratios, so the patch grids (and lengths) differ from image to image."""
+PATCH_DIM = 3 * SIGLIP2_PATCH ** 2
+
+
+@pytest.fixture(scope="module")
+def siglip2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_siglip2(tmp_path_factory.mktemp("tiny-siglip2"))
+
+
+@pytest.fixture(scope="module")
+def siglip2(siglip2_path: Path):
+    with Engine.from_workflow("siglip2", siglip2_path) as engine:
+        yield engine
+
+
+class Reference:
+    """transformers' Siglip2Model, tokenizer and (PIL backend) Siglip2ImageProcessor from the same folder."""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
+
+        self.model = AutoModel.from_pretrained(folder).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.processor = AutoImageProcessor.from_pretrained(folder, backend="pil")
+        assert type(self.processor).__name__ == "Siglip2ImageProcessorPil"
+
+    @torch.no_grad()
+    def text(self, texts: list[str]) -> np.ndarray:
+        """As SigLIP 2 is used (its processor's defaults): padded to max_length 64, no attention mask."""
+        ids = self.tokenizer(texts, padding="max_length", max_length=64, return_tensors="pt").input_ids
+        return self.model.get_text_features(input_ids=ids).pooler_output.numpy()
+
+    def inputs(self, images: list[Any]) -> dict[str, torch.Tensor]:
+        return self.processor(images=images, return_tensors="pt")
+
+    def patches(self, image: Any) -> np.ndarray:
+        """The processor's patches of one image without its padding rows, as [h, w, values]."""
+        out = self.processor(images=[image], return_tensors="np")
+        h, w = (int(v) for v in out.spatial_shapes[0])
+        mask = out.pixel_attention_mask[0]
+        assert mask[:h * w].all() and not mask[h * w:].any()
+        return out.pixel_values[0][:h * w].reshape(h, w, -1)
+
+    @torch.no_grad()
+    def image(self, images: list[Any]) -> np.ndarray:
+        return self.model.get_image_features(**self.inputs(images)).pooler_output.numpy()
+
+
+@pytest.fixture(scope="module")
+def ref(siglip2_path: Path) -> Reference:
+    return Reference(siglip2_path)
+
+
+def dense(engine: Engine, inputs: list[Any], params: PoolingParams = RAW) -> np.ndarray:
+    return np.stack([o.outputs["dense"] for o in engine.encode(inputs, params)])
+
+
+def odd_images() -> list[Image.Image]:
+    return [image_of_mode(mode, *SIZES[i % len(SIZES)], seed=i) for i, mode in enumerate(MODES)]
+
+
+def reopened(image: Image.Image) -> tuple[bytes, Image.Image]:
+    fmt = "JPEG" if image.mode == "CMYK" else "TIFF" if image.mode == "YCbCr" else "PNG"
+    data = encoded(image, fmt)
+    return data, Image.open(io.BytesIO(data))
+
+
+# -- parity with transformers ---------------------------------------------------------------------------------------
+
+def test_mixed_batch_of_variable_grids_equals_transformers(siglip2: Engine, ref: Reference) -> None:
+    """Images of ten sizes and modes (ten grids, so ten lengths) and texts in one call: each image equals
+    `get_image_features` on the processor's padded batch, each text `get_text_features`; lengths are the grids."""
+    images = odd_images()
+    texts = CAPTIONS + [t for t in varied_texts(12) if len(ref.tokenizer(t).input_ids) <= 64][:4]
+    mixed: list[Any] = []
+    for i, image in enumerate(images):
+        mixed.append(image)
+        if i < len(texts):
+            mixed.append(texts[i])
+    outs = siglip2.encode(mixed, RAW)
+    is_image = [isinstance(x, Image.Image) for x in mixed]
+    got = np.stack([o.outputs["dense"] for o in outs])
+    inputs = ref.inputs(images)
+    grids = [tuple(s) for s in inputs["spatial_shapes"].tolist()]
+    assert len(set(grids)) >= 8 and len({h * w for h, w in grids}) >= 4  # grids and lengths really vary
+    assert [o.num_prompt_tokens for o, m in zip(outs, is_image) if m] == [h * w for h, w in grids]
+    assert all(o.prompt_token_ids == [] for o, m in zip(outs, is_image) if m)
+    want_images = ref.image(images)
+    assert np.abs(got[[i for i, m in enumerate(is_image) if m]] - want_images).max() <= 1e-4
+    assert np.abs(got[[i for i, m in enumerate(is_image) if not m]] - ref.text(texts)).max() <= 1e-4
+    for image, want in zip(images[:3], want_images):  # alone (no padding anywhere) as in the mixed batch
+        assert np.abs(dense(siglip2, [image])[0] - want).max() <= 1e-4
+    unit = siglip2.embed(images)  # the default: normalized, as Siglip2Model.forward normalizes both sides
+    assert np.allclose(unit, want_images / np.linalg.norm(want_images, axis=1, keepdims=True), atol=1e-5)
+
+
+def test_encoded_files_equal_transformers(siglip2: Engine, ref: Reference) -> None:
+    files = [reopened(image) for image in odd_images()]
+    got = dense(siglip2, [data for data, _ in files])
+    assert np.abs(got - ref.image([opened for _, opened in files])).max() <= 1e-4
+
+
+def test_batches_split_across_cpu_streams_give_the_same_vectors(siglip2: Engine, siglip2_path: Path) -> None:
+    """Pieces of a batch of padded grids (`ModelInput.split`) keep each image's patches."""
+    inputs: list[Any] = [*odd_images(), *CAPTIONS]
+    want = dense(siglip2, inputs)
+    params = {"params": {"cpu_streams": 3, "cpu_stream_min_tokens": 1}}
+    with Engine.from_workflow("siglip2", siglip2_path, runner=params) as engine:
+        assert np.abs(dense(engine, inputs) - want).max() <= 1e-5
+
+
+def test_left_padding_tokenizer_pads_before_the_text(tmp_path: Path) -> None:
+    """`pad_text: max_length` pads on the tokenizer's padding_side, as `padding="max_length"` does."""
+    folder = build_siglip2(tmp_path / "left", padding_side="left")
+    reference = Reference(folder)
+    assert reference.tokenizer.padding_side == "left"
+    with Engine.from_workflow("siglip2", folder) as engine:
+        out = engine.encode(CAPTIONS[:1], RAW)[0]
+        assert np.abs(dense(engine, CAPTIONS) - reference.text(CAPTIONS)).max() <= 1e-4
+    assert out.num_prompt_tokens == 64
+
+
+# -- preprocessing ----------------------------------------------------------------------------------------------------
+
+def test_patches_equal_the_image_processor_rows(siglip2: Engine, ref: Reference) -> None:
+    """Every mode and size: the [h, w, 3*p*p] array equals the processor's unpadded rows; admission's length (from
+    the file's header) is h*w."""
+    pre = siglip2.input_processor.preprocessor
+    for mode in MODES:
+        for width, height in SIZES:
+            image = image_of_mode(mode, width, height, seed=width * height)
+            want = ref.patches(image)
+            got = pre(image)
+            assert got.dtype == np.float32 and got.shape == want.shape, (mode, width, height)
+            assert np.abs(got - want).max() <= 1e-6, (mode, width, height)
+            data, opened = reopened(image)
+            prompt = siglip2.input_processor.image_prompt(data, "input")
+            assert prompt.num_tokens == want.shape[0] * want.shape[1], (mode, width, height)
+            pixels = siglip2.input_processor.preprocess(prompt)
+            assert np.abs(pixels - ref.patches(opened)).max() <= 1e-6, (mode, width, height)
+
+
+def test_grid_search_is_transformers_and_symmetric() -> None:
+    """The patch grid of every size up to 130 x 130 at several max_num_patches is transformers' own; swapping width
+    and height transposes it (so an EXIF rotation keeps the length admission counted)."""
+    from transformers.models.siglip2.image_processing_pil_siglip2 import get_image_size_for_max_num_patches
+
+    for most in (1, 7, SIGLIP2_MAX_PATCHES, 256):
+        for height in range(1, 131, 3):
+            for width in range(1, 131, 7):
+                got = size_for_max_num_patches(height, width, 16, most)
+                assert got == get_image_size_for_max_num_patches(height, width, 16, most), (height, width, most)
+                assert (got[0] // 16) * (got[1] // 16) <= most
+                assert size_for_max_num_patches(width, height, 16, most) == got[::-1]
+
+
+def test_exif_rotation_transposes_the_grid_and_keeps_the_length(siglip2: Engine, ref: Reference) -> None:
+    image = image_of_mode("RGB", 64, 16)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90° clockwise to view
+    data = encoded(image, "JPEG", exif=exif.tobytes())
+    upright = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
+    assert upright.size == (16, 64)
+    prompt = siglip2.input_processor.image_prompt(data, "input")
+    pixels = siglip2.input_processor.preprocess(prompt)
+    want = ref.patches(upright)
+    assert pixels.shape == want.shape and want.shape[0] > want.shape[1]  # taller than wide, as viewed
+    assert prompt.num_tokens == want.shape[0] * want.shape[1]
+    assert np.abs(pixels - want).max() <= 1e-6
+
+
+# -- prepared arrays and refusals --------------------------------------------------------------------------------------
+
+def test_prepared_patch_arrays(siglip2: Engine) -> None:
+    """An already preprocessed image is [h_patches, w_patches, 3*p*p] float32 (what crosses to an engine core);
+    other shapes, dtypes and grids over max_num_patches are refused naming the field and the limit."""
+    image, wide = scene(1), image_of_mode("RGB", 90, 17)
+    patches = siglip2.input_processor.preprocessor(image)
+    request = siglip2.make_request(ImagePrompt(patches, 0))
+    assert request.prompt.num_tokens == patches.shape[0] * patches.shape[1]
+    received = np.frombuffer(siglip2.input_processor.preprocessor(wide).tobytes(), np.float32).reshape(
+        siglip2.input_processor.preprocessor(wide).shape)  # read-only, as an array off the wire is
+    assert received.shape != patches.shape and not received.flags.writeable
+    got = dense(siglip2, [ImagePrompt(patches, 0), "a caption", ImagePrompt(received, 0)])
+    assert np.abs(got - dense(siglip2, [image, "a caption", wide])).max() == 0.0
+    for bad, kind, reason in [
+        (np.zeros((3, 16, 16), np.float32), BAD_IMAGE, f"shape (h_patches, w_patches, {PATCH_DIM})"),
+        (np.zeros((2, 3, PATCH_DIM), np.float64), BAD_IMAGE, "float64"),
+        (np.zeros((0, 3, PATCH_DIM), np.float32), BAD_IMAGE, "(0, 3, 48)"),
+        (np.zeros((5, 5, PATCH_DIM), np.float32), TOO_LARGE,
+         f"5x5 = 25 patches; the limit is {SIGLIP2_MAX_PATCHES} (the image processor's max_num_patches)"),
+    ]:
+        with pytest.raises(RequestError) as info:
+            siglip2.encode(["a caption", ImagePrompt(bad, 0)])
+        assert info.value.kind == kind and reason in str(info.value) and "input[1]" in str(info.value)
+    assert not siglip2.has_unfinished()
+    assert dense(siglip2, ["a caption", image]).shape == (2, 32)  # the engine goes on
+
+
+def _variant(source: Path, folder: Path, preprocessor: dict[str, Any]) -> Path:
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "preprocessor_config.json").read_text())
+    config.update(preprocessor)
+    (folder / "preprocessor_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"patch_size": 8}, "cuts 8-pixel patches but the vision tower takes patch_size 4"),
+    ({"image_processor_type": "SiglipImageProcessor", "size": {"height": 16, "width": 16}},
+     "takes variable-resolution (NaFlex) patches, but the folder's image processor makes fixed-size images"),
+    ({"do_resize": False}, "do_resize is false"),
+])
+def test_misfit_image_processors_are_refused(siglip2_path: Path, tmp_path: Path, change: dict, message: str) -> None:
+    folder = _variant(siglip2_path, tmp_path / "variant", change)
+    with pytest.raises(ModelLoadError, match="image_text_input") as info:
+        Engine.from_workflow("siglip2", folder)
+    assert message in str(info.value)
+
+
+def test_a_naflex_processor_with_a_fixed_size_model_is_refused(tmp_path: Path) -> None:
+    from tests.tiny_clip import build_siglip
+
+    folder = build_siglip(tmp_path / "siglip")
+    config = {"image_processor_type": "Siglip2ImageProcessor", "patch_size": 6, "max_num_patches": 25}
+    (folder / "preprocessor_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"config model_type 'siglip' does not take \(NaFlex models: siglip2\)"):
+        Engine.from_workflow("siglip", folder)
+
+
+def test_workflow_is_picked_from_architectures() -> None:
+    from wde.registry import get_registry
+
+    assert get_registry().workflow_for(["Siglip2Model"]) == "siglip2"
