@@ -1,6 +1,6 @@
 """Corpus embedding: `wde embed` as a streaming, sharded, resumable pipeline (local, data-parallel, or Ray).
 
-    readers.py        jsonl / parquet / txt records with (file, line) provenance, streamed in bounded pieces
+    readers.py        jsonl / parquet / txt records (texts or images) with their file:line, in bounded pieces
     writer.py         sharded parquet output under <output>.partial: atomic shards, journal, manifest, .npy assembly
     embedder.py       one shard through a `wde.Engine` into an Arrow table
     pipeline.py       read → shard → check / skip finished shards → embed → write → publish under <output>

@@ -103,7 +103,7 @@ def run_data_parallel(job: EmbedJob, todo: Any, writer: ShardWriter, progress: P
     def feed() -> None:
         try:
             for shard in todo:
-                rows = [(r.id, r.text, r.file, r.line) for r in shard.records]
+                rows = [(r.id, r.text, r.file, r.line, r.image) for r in shard.records]
                 if not put((shard.index, rows, shard.input_sha256, shard.row_digests)):
                     return
                 fed["shards"] += 1

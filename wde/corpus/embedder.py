@@ -3,18 +3,26 @@
 Shared by the in-process pipeline, the data-parallel workers and the Ray actors, so all three write the same
 columns: `id` (string), `embedding` (fixed-size list of float32) and, when asked, `sparse` (map token id →
 weight) and `colbert` (list of fixed-size float32 vectors).
+
+Requests are fed to the engine as it frees room, not all at once: the engine reads an image file when it admits
+it (and decodes it only when it is scheduled), so at most `open_images` image files of a shard are held in memory
+at a time, however large the shard; texts are admitted at once, as they cost little.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from wde.corpus.job import CorpusError, EmbedJob
-from wde.corpus.readers import Record
+from wde.corpus.job import CorpusError, EmbedJob, takes_images
+from wde.corpus.readers import Record, is_data_uri
 from wde.errors import RequestError
-from wde.request import PoolingParams
+from wde.request import PoolingParams, Request, RequestOutput
+
+MIN_OPEN_IMAGES = 64
+"""The fewest image requests a shard keeps in the engine, however small the scheduler's batches."""
 
 COLUMN = {"dense": "embedding", "sparse": "sparse", "colbert": "colbert"}
 
@@ -32,32 +40,87 @@ class ShardEmbedder:
         if missing:
             raise CorpusError(f"--outputs {','.join(job.outputs)}: workflow {engine.workflow.name!r} produces"
                               f" {list(engine.supported_outputs)}, not {missing}")
+        self.images = takes_images(engine.input_processor)
+        if job.image_field is not None and not self.images:
+            raise CorpusError(f"--image-field {job.image_field}: workflow {engine.workflow.name!r} embeds texts only;"
+                              " use an image-text workflow such as clip or siglip (docs/images.md)")
         self.engine = engine
         self.job = job
         self.params = PoolingParams(truncate=job.truncate, prompt_name=job.prompt_name,
                                     outputs=None if job.outputs == ("dense",) else job.outputs)
+        self.open_images = open_images(engine)
+        """Image requests admitted and not finished at most: room for the batches the executor keeps in flight
+        plus the next one, so the model never waits for a file to be read."""
         if on_batch is not None:
             engine.on_batch = lambda stats: on_batch(stats.num_requests, stats.num_tokens)
 
+    def request(self, r: Record) -> Request:
+        """The engine request of one record; a `CorpusError` naming `file:line` when admission refuses it. A
+        text goes as {"text": ...} to an engine that takes images, so a text that looks like a data: URI is never
+        taken for an image; a path goes as a `pathlib.Path`, which the engine reads as a local file."""
+        if r.image is None:
+            value: Any = {"text": r.text} if self.images else r.text
+            field = self.job.text_field or "text"
+        else:
+            value = r.image if isinstance(r.image, bytes) or is_data_uri(r.image) else Path(r.image)
+            field = self.job.image_field or "image"
+        try:
+            return self.engine.make_request(value, self.params, field=field)
+        except RequestError as e:
+            raise CorpusError(self.refusal(r, e)) from None
+
+    def refusal(self, r: Record, why: object) -> str:
+        """`file:line: why`, plus the image file when the engine's message does not name it."""
+        message = flag_hint(str(why))
+        if isinstance(r.image, str) and not is_data_uri(r.image) and r.image not in message:
+            message += f" (image file {r.image})"
+        return f"{r.where}: {message}"
+
     def embed(self, records: Sequence[Record]) -> Any:
-        """The shard's Arrow table, rows in record order; a `CorpusError` naming `file:line` on a bad record."""
+        """The shard's Arrow table, rows in record order; a `CorpusError` naming `file:line` on a bad record (the
+        engine is then emptied, so it can take the next job)."""
         engine = self.engine
-        requests = []
-        for r in records:
-            try:
-                requests.append(engine.make_request(r.text, self.params, field=self.job.text_field))
-            except RequestError as e:
-                raise CorpusError(f"{r.where}: {flag_hint(str(e))}") from None
-        done = engine.run(requests)
-        results = []
-        for r, q in zip(records, requests):
-            out = done.get(q.request_id)
-            if out is None or out.error is not None:
-                engine.reset()
-                why = out.error if out is not None else "the engine returned no output"
-                raise CorpusError(f"{r.where}: {flag_hint(str(why))}")
-            results.append(out.outputs)
-        return to_table([r.id for r in records], results, self.job.outputs)
+        ids: list[str] = []
+        owner: dict[str, Record] = {}
+        open_images: set[str] = set()
+        done: dict[str, RequestOutput] = {}
+
+        def step() -> bool:
+            outs = engine.step()
+            for out in outs:
+                done[out.request_id] = out
+                open_images.discard(out.request_id)
+                if out.error is not None:
+                    raise CorpusError(self.refusal(owner[out.request_id], out.error))
+            return bool(outs) or engine.has_unfinished()
+
+        try:
+            for r in records:
+                while r.image is not None and len(open_images) >= self.open_images and step():
+                    pass
+                request = self.request(r)
+                engine.scheduler.add(request)
+                ids.append(request.request_id)
+                owner[request.request_id] = r
+                if r.image is not None:
+                    open_images.add(request.request_id)
+            while len(done) < len(ids) and step():
+                pass
+            missing = next((i for i in ids if i not in done), None)
+            if missing is not None:  # every request yields an output; guards against a plugin losing one
+                raise CorpusError(f"{owner[missing].where}: the engine returned no output")
+        except BaseException:
+            engine.reset()
+            raise
+        return to_table([r.id for r in records], [done[i].outputs for i in ids], self.job.outputs)
+
+
+def open_images(engine: Any) -> int:
+    """How many image requests `ShardEmbedder` keeps admitted at once: (batches in flight + 1) x the scheduler's
+    requests per batch, at least `MIN_OPEN_IMAGES`."""
+    per_batch = getattr(getattr(engine.scheduler, "params", None), "max_num_requests", 256)
+    inflight = getattr(engine.executor, "max_inflight", 1)
+    return max(MIN_OPEN_IMAGES, (int(inflight) + 1) * int(per_batch))
 
 
 def to_table(ids: list[str], results: list[dict[str, Any]], outputs: Sequence[str]) -> Any:

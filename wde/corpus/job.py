@@ -29,7 +29,11 @@ class EmbedJob(BaseModel):
 
     inputs: tuple[str, ...] = Field(min_length=1, description="input files (.jsonl, .parquet, .txt)")
     output: str = Field(description="out.parquet (directory of shards) or out.npy")
-    text_field: str = Field("text", description="jsonl key / parquet column holding the text")
+    text_field: str | None = Field("text", description=(
+        "jsonl key / parquet column holding the text; None with `image_field`: every record is an image"))
+    image_field: str | None = Field(None, description=(
+        "jsonl key / parquet column holding the image (a file path, a data: URI, or parquet bytes); with"
+        " `text_field` too, each record has one or the other (a mixed corpus)"))
     id_field: str | None = Field(None, description="jsonl key / parquet column holding the id; default file:line")
     outputs: tuple[Literal["dense", "sparse", "colbert"], ...] = Field(("dense",), min_length=1)
     truncate: bool = False
@@ -62,6 +66,11 @@ class EmbedJob(BaseModel):
     def check(self) -> None:
         """Refuse what cannot work before any model is loaded."""
         fmt = self.output_format
+        if self.text_field is None and self.image_field is None:
+            raise CorpusError("--text-field / --image-field: name the field that holds the text, the image, or both")
+        if self.text_field is not None and self.text_field == self.image_field:
+            raise CorpusError(f"--text-field and --image-field are both {self.text_field!r}: a field holds texts"
+                              " or images, so name two fields for a mixed corpus")
         if fmt == "npy" and self.id_field is not None:
             raise CorpusError("--id-field: .npy output holds only the matrix (rows in input order), not ids;"
                               " write .parquet to keep ids")
@@ -86,8 +95,31 @@ class EmbedJob(BaseModel):
                           for p in self.inputs]
         return data
 
+    def check_workflow(self) -> None:
+        """With `image_field`: refuse a workflow that embeds texts only, from its resolved components (the
+        weights are not loaded), so the run fails at start with one line rather than at its first image."""
+        if self.image_field is None:
+            return
+        from wde.engine import resolve
+
+        workflow, _ = resolve(self.workflow, self.model, overrides=self.overrides,
+                              trust_remote_code=self.trust_remote_code)
+        component = workflow.components["input_processor"]
+        if not takes_images(component.cls):
+            raise CorpusError(f"--image-field {self.image_field}: workflow {workflow.name!r} embeds texts only (its"
+                              f" input processor {component.name!r} takes no images); use an image-text workflow"
+                              " such as clip or siglip (docs/images.md)")
+
     def build_engine(self, device: str | None = None):
         from wde.engine import Engine
 
         return Engine.from_workflow(self.workflow, self.model, overrides=self.overrides,
                                     trust_remote_code=self.trust_remote_code, device=device)
+
+
+def takes_images(input_processor: Any) -> bool:
+    """Whether an input processor (class or instance) admits images: it has the `image_prompt` of
+    `image_text_input` (wde/components/image_input.py) and the `preprocess` the `image_text` request processor
+    calls."""
+    return callable(getattr(input_processor, "image_prompt", None)) and \
+        callable(getattr(input_processor, "preprocess", None))

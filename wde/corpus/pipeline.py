@@ -99,7 +99,7 @@ def pending_shards(job: EmbedJob, writer: ShardWriter, recorded: dict[int, Shard
     rows hash as recorded and its file is whole; a changed input is refused, a damaged file embedded again."""
     last = -1
     for index, records in shards(read_records(job.inputs, job.text_field, job.id_field, job.skip_blank,
-                                              job.max_line_bytes), job.shard_size):
+                                              job.max_line_bytes, job.image_field), job.shard_size):
         last = index
         tally.rows_read += len(records)
         digest, rows = input_digests(records)
@@ -200,7 +200,8 @@ def run_embed(job: EmbedJob, *, workers: int = 1, devices: list[str] | None = No
     messages of a resumed run (a damaged shard embedded again). Under a `signals.SignalGuard`, SIGINT / SIGTERM
     end it in `Interrupted` with a message saying how many shards are on disk."""
     job.check()
-    check_inputs(job.inputs, job.text_field, job.id_field)
+    check_inputs(job.inputs, job.text_field, job.id_field, job.image_field)
+    job.check_workflow()
     t0 = time.perf_counter()
     out = Path(job.output)
     complete = check_output(job, resume=resume, overwrite=overwrite)

@@ -29,7 +29,8 @@ def _read_file(batch: Any, job_data: dict) -> Iterator[Any]:
     job = EmbedJob(**job_data)
     for path in batch["path"]:
         block: list = []
-        for r in read_records([str(path)], job.text_field, job.id_field, job.skip_blank, job.max_line_bytes):
+        for r in read_records([str(path)], job.text_field, job.id_field, job.skip_blank, job.max_line_bytes,
+                              job.image_field):
             block.append(r)
             if len(block) == job.shard_size:
                 yield _block(pa, block)
@@ -39,8 +40,14 @@ def _read_file(batch: Any, job_data: dict) -> Iterator[Any]:
 
 
 def _block(pa: Any, records: list) -> Any:
+    """Records as Arrow columns; an image record's path or data: URI goes in `image_ref`, its bytes in
+    `image_bytes` (an Arrow column holds one type)."""
     return pa.table({"id": [r.id for r in records], "text": [r.text for r in records],
-                     "file": [r.file for r in records], "line": pa.array([r.line for r in records], pa.int64())})
+                     "file": [r.file for r in records], "line": pa.array([r.line for r in records], pa.int64()),
+                     "image_ref": pa.array([r.image if isinstance(r.image, str) else None for r in records],
+                                           pa.string()),
+                     "image_bytes": pa.array([r.image if isinstance(r.image, bytes) else None for r in records],
+                                             pa.large_binary())})
 
 
 class EmbedActor:
@@ -56,8 +63,8 @@ class EmbedActor:
     def __call__(self, batch: Any) -> Any:
         from wde.corpus.readers import Record
 
-        cols = [batch.column(c).to_pylist() for c in ("id", "text", "file", "line")]
-        return self.embedder.embed([Record(*row) for row in zip(*cols)])
+        cols = [batch.column(c).to_pylist() for c in ("id", "text", "file", "line", "image_ref", "image_bytes")]
+        return self.embedder.embed([Record(*row[:4], row[4] if row[4] is not None else row[5]) for row in zip(*cols)])
 
 
 def _corpus_error(error: BaseException) -> CorpusError | None:
@@ -79,7 +86,8 @@ def run_ray_embed(job: EmbedJob, address: str | None = None, *, workers: int = 1
                   resume: bool = False) -> tuple[int, int]:
     """Run the job on a Ray cluster (the one already initialised, else `ray.init(address)`); (rows, dim)."""
     job.check()
-    check_inputs(job.inputs, job.text_field, job.id_field)
+    check_inputs(job.inputs, job.text_field, job.id_field, job.image_field)
+    job.check_workflow()
     if job.output_format != "parquet":
         raise CorpusError(f"--ray writes .parquet output; got --output {job.output}")
     if resume:
