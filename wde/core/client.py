@@ -1,11 +1,14 @@
 """An API server's handle on an engine core in another process, with `AsyncEngine`'s interface.
 
 `encode` validates and tokenizes on this side (`Frontend`), sends token ids to the core and awaits the results,
-which a receiver task hands to the waiting callers. A socket monitor watches the link: if the core process goes
-away, every waiting caller gets `EngineUnavailable` at once (a 503, never a hang), the client reports unhealthy and
-calls `on_fatal` (the API server then shuts down; the launcher sees the core's exit and stops the rest). A call
-given a `timeout` sends the core an abort when it passes and raises `EngineTimeout`; the core's heartbeat file
-(`wde.core.heartbeat`) tells how long ago its loop last made progress, even while it is frozen.
+which a receiver task hands to the waiting callers. Images are decoded and preprocessed on this side too, never on
+the event loop (a call holding an image runs its request processor on a pool of `Frontend.image_workers` threads,
+as a call with a huge text runs on the tokenize thread), and travel as raw float32 pixel values (docs/images.md).
+A socket monitor watches the link: if the core process goes away, every waiting caller gets `EngineUnavailable` at
+once (a 503, never a hang), the client reports unhealthy and calls `on_fatal` (the API server then shuts down; the
+launcher sees the core's exit and stops the rest). A call given a `timeout` sends the core an abort when it passes
+and raises `EngineTimeout`; the core's heartbeat file (`wde.core.heartbeat`) tells how long ago its loop last made
+progress, even while it is frozen.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from wde.core.heartbeat import Heartbeat, heartbeat_path
 from wde.core.frontend import Frontend
 from wde.engine_info import EngineInfo
 from wde.errors import RequestError
-from wde.request import PoolingParams, RequestOutput
+from wde.request import PoolingParams, Request, RequestOutput, SchedulableRequest
 
 log = logging.getLogger("wde.core")
 
@@ -64,6 +67,8 @@ class CoreClient:
         self._ids = itertools.count()
         self._waiting: dict[str, _Waiting] = {}
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wde-tokenize")
+        self._image_pool: ThreadPoolExecutor | None = None
+        """Calls holding images (started with the first one: text workflows never have it)."""
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -84,6 +89,8 @@ class CoreClient:
             self._sock.close(0)
             self._sock = None
         self._tokenize_pool.shutdown(wait=False)
+        if self._image_pool is not None:
+            self._image_pool.shutdown(wait=False)
         if self._heartbeat is not None:
             self._heartbeat.close()
 
@@ -119,12 +126,12 @@ class CoreClient:
         outputs: list[RequestOutput | None] = [None] * len(requests)
         futures: list[tuple[int, asyncio.Future[RequestOutput]]] = []
         try:
-            if self.frontend.is_large(requests):
-                tokenizing = loop.run_in_executor(self._tokenize_pool, self.frontend.tokenize, requests)
-                tokenized = await await_within(tokenizing, _left(deadline, loop))
+            pool = self._pool_for(requests)
+            if pool is not None:
+                preparing = loop.run_in_executor(pool, _prepare, self.frontend, requests)
+                tokenized, payloads = await await_within(preparing, _left(deadline, loop))
             else:
-                tokenized = self.frontend.tokenize(requests)
-            admitted = []
+                tokenized, payloads = _prepare(self.frontend, requests)
             for i, (r, t) in enumerate(zip(requests, tokenized)):
                 if isinstance(t, RequestError):
                     outputs[i] = RequestOutput(r.request_id, error=t, tokenization_time=r.tokenization_time)
@@ -132,9 +139,9 @@ class CoreClient:
                 future = loop.create_future()
                 self._waiting[r.request_id] = _Waiting(future, t.token_ids, r.tokenization_time)
                 futures.append((i, future))
-                admitted.append(wire.Admitted(r.request_id, t.token_ids, t.token_type_ids, r.params))
-            if admitted:
-                await self._send(wire.Submit(admitted))
+            if futures:
+                for payload in payloads:
+                    await self._send_payload(payload)
                 results = await await_within(asyncio.gather(*(f for _, f in futures)), _left(deadline, loop))
                 for i, out in zip((i for i, _ in futures), results):
                     outputs[i] = out
@@ -154,10 +161,22 @@ class CoreClient:
             for r in requests:
                 self._waiting.pop(r.request_id, None)
 
+    def _pool_for(self, requests: list[Request]) -> ThreadPoolExecutor | None:
+        """Where these requests are tokenized: images on the image pool, a huge text on the tokenize thread, the
+        rest inline (on the event loop: cheaper than a hop to a thread)."""
+        if self.frontend.holds_images(requests):
+            if self._image_pool is None:
+                self._image_pool = ThreadPoolExecutor(self.frontend.image_workers, thread_name_prefix="wde-image-call")
+            return self._image_pool
+        return self._tokenize_pool if self.frontend.is_large(requests) else None
+
     async def _send(self, message: wire.Submit | wire.Abort) -> None:
+        await self._send_payload(wire.encoder.encode(message))
+
+    async def _send_payload(self, payload: bytes) -> None:
         if self._sock is None:
             raise EngineUnavailable("the server is shutting down")
-        await self._sock.send(wire.encoder.encode(message))
+        await self._sock.send(payload, copy=False)  # zero-copy past pyzmq's copy_threshold (images)
 
     async def _receive(self) -> None:
         assert self._sock is not None
@@ -197,6 +216,26 @@ class CoreClient:
         for waiting in list(self._waiting.values()):
             if not waiting.future.done():
                 waiting.future.set_exception(failure)
+
+
+def _prepare(frontend: Frontend, requests: list[Request]) -> tuple[list[SchedulableRequest | RequestError],
+                                                                    list[bytes]]:
+    """Tokenize (and decode images), then encode what goes to the core: one result per request, and the messages
+    that submit the admitted ones. Texts go in a `Submit` (the bytes they had before images existed), images in a
+    `SubmitImages` with their pixel values as raw bytes; encoding a call's images (600 kB each at 224 px) happens
+    here, on the pool thread that decoded them, not on the event loop."""
+    tokenized = frontend.tokenize(requests)
+    texts: list[wire.Admitted] = []
+    images: list[wire.AdmittedImage] = []
+    for r, t in zip(requests, tokenized):
+        if isinstance(t, RequestError):
+            continue
+        if t.pixel_values is None:
+            texts.append(wire.Admitted(r.request_id, t.token_ids, t.token_type_ids, r.params))
+        else:
+            images.append(wire.AdmittedImage(r.request_id, t.pixel_values, t.image_tokens, r.params))
+    messages = ([wire.Submit(texts)] if texts else []) + ([wire.SubmitImages(images)] if images else [])
+    return tokenized, [wire.encoder.encode(m) for m in messages]
 
 
 def _left(deadline: float | None, loop: asyncio.AbstractEventLoop) -> float | None:

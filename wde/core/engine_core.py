@@ -1,8 +1,9 @@
 """The engine core: a process that runs the `Engine` step loop and nothing else.
 
-API servers (`wde.core.client.CoreClient`) send it tokenized requests over a ZeroMQ ROUTER socket; it queues them
-in the engine's scheduler, steps, and sends each output back to the API server that asked. Between steps it
-drains every message that arrived, so batches form from all API servers at once. The loop is supervised as in
+API servers (`wde.core.client.CoreClient`) send it tokenized requests, and images as preprocessed pixel values,
+over a ZeroMQ ROUTER socket; it queues them in the engine's scheduler (an image whose array does not fit the model
+is answered at once with its error), steps, and sends each output back to the API server that asked. Between
+steps it drains every message that arrived, so batches form from all API servers at once. The loop is supervised as in
 `AsyncEngine`: if `step` raises, every waiting request is failed with a "retry" answer, the engine's queues are
 reset and the loop goes on; past the restart budget the core exits with `EXIT_GAVE_UP`. After every step, and
 every `IDLE_POLL_MS` while idle, it beats its heartbeat (`wde.core.heartbeat`), a file the API servers read to see
@@ -19,9 +20,10 @@ import zmq
 
 from wde.async_engine import RESTARTED
 from wde.core import wire
-from wde.core.frontend import core_request
+from wde.core.frontend import core_image_request, core_request
 from wde.core.heartbeat import Heartbeat, heartbeat_path
 from wde.engine import Engine
+from wde.errors import RequestError
 from wde.request import RequestOutput
 from wde.restarts import RestartBudget
 
@@ -91,19 +93,37 @@ class EngineCore:
             return
         scheduler = self.engine.scheduler
         while True:
-            try:
-                identity, payload = self._sock.recv_multipart(zmq.NOBLOCK)
+            try:  # not copied out of ZeroMQ's buffer: an image's pixel values are read in place
+                frame, payload = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            message = wire.to_core.decode(payload)
+            identity = frame.bytes
+            message = wire.to_core.decode(payload.buffer)
             if isinstance(message, wire.Submit):
                 for a in message.requests:
                     self._owners[a.request_id] = identity
                     scheduler.add(core_request(a.request_id, a.token_ids, a.token_type_ids, a.params))
+            elif isinstance(message, wire.SubmitImages):
+                self._add_images(identity, message.requests)
             else:
                 for rid in message.request_ids:
                     if self._owners.pop(rid, None) is not None:
                         self.engine.abort(rid)
+
+    def _add_images(self, identity: bytes, images: list[wire.AdmittedImage]) -> None:
+        """Queue images preprocessed by an API server; answer those whose pixel values this model refuses now."""
+        refused = []
+        for a in images:
+            self._owners[a.request_id] = identity
+            try:
+                request = core_image_request(a.request_id, a.pixel_values, a.image_tokens, a.params,
+                                             self.engine.input_processor)
+            except RequestError as e:
+                refused.append(RequestOutput(a.request_id, error=e))
+                continue
+            self.engine.scheduler.add(request)
+        if refused:
+            self._send(refused)
 
     def _send(self, outputs: list[RequestOutput], failure: str | None = None) -> None:
         by_owner: dict[bytes, list[wire.Output]] = {}

@@ -1,9 +1,11 @@
 """What an API server runs before a request reaches the engine core: the workflow's tokenizer, input processor
 and request processor, built without the model. Validation, prompts, tokenization and length limits are the
-same code as in one process, so answers and errors are the same; the core receives token ids only."""
+same code as in one process, so answers and errors are the same; the core receives token ids only, and for an
+image (CLIP, SigLIP: docs/images.md) its preprocessed pixel values: images are decoded here, off the core."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from wde.components.base import BuildContext
@@ -11,7 +13,7 @@ from wde.engine import check_params
 from wde.engine_info import EngineInfo
 from wde.errors import RequestError
 from wde.model_source import ModelSource
-from wde.request import PoolingParams, Request, SchedulableRequest, TokensPrompt
+from wde.request import ImagePrompt, PoolingParams, Request, SchedulableRequest, TokensPrompt
 from wde.workflow import ResolvedWorkflow
 
 KINDS = ("tokenizer", "input_processor", "request_processor")
@@ -30,6 +32,10 @@ class Frontend:
         self.input_processor = ctx.input_processor
         self.request_processor = ctx.request_processor
         self._budget = info.token_budget or info.max_length
+        workers = getattr(getattr(self.request_processor, "params", None), "workers", 1)
+        self.image_workers: int = min(4, os.cpu_count() or 1) if workers == "auto" else int(workers)
+        """Calls holding images decoded at once (as many as the request processor's `workers`, its own "auto"
+        rule): Pillow releases the interpreter lock, so concurrent single-image calls decode in parallel."""
 
     def make_request(self, inputs: Any, params: PoolingParams, request_id: str,
                      field: str | tuple[str, str]) -> Request:
@@ -42,8 +48,14 @@ class Frontend:
         is_large = getattr(self.request_processor, "is_large", None)
         return is_large is not None and any(is_large(r) for r in requests)
 
+    @staticmethod
+    def holds_images(requests: list[Request]) -> bool:
+        """Whether these requests hold an image: tokenizing them decodes it, which never runs on the event loop."""
+        return any(isinstance(r.prompt, ImagePrompt) for r in requests)
+
     def tokenize(self, requests: list[Request]) -> list[SchedulableRequest | RequestError]:
-        """Tokenize and check lengths against the core's limits; one result per request (never raises)."""
+        """Tokenize and check lengths against the core's limits, decode and preprocess images; one result per
+        request (never raises)."""
         return self.request_processor.process(requests, self._budget)
 
 
@@ -52,3 +64,16 @@ def core_request(request_id: str, token_ids: list[int], token_type_ids: list[int
     """The core's view of a request the API server tokenized."""
     prompt = TokensPrompt(tuple(token_ids), tuple(token_type_ids) if token_type_ids is not None else None)
     return Request(request_id, prompt, params)
+
+
+def core_image_request(request_id: str, pixel_values: Any, image_tokens: int, params: PoolingParams,
+                       input_processor: Any) -> Request:
+    """The core's view of an image the API server decoded and preprocessed: its pixel values are checked against
+    this model (dtype and shape) by the input processor, as a prepared `ImagePrompt` passed from Python is, so an
+    array that does not fit fails alone here instead of failing a batch in the model. Raises `RequestError` naming
+    the input (kind "bad_image") when they do not fit, or when this workflow takes no images."""
+    check = getattr(input_processor, "image_prompt", None)
+    if check is None:
+        raise RequestError(f"input is an image, but input processor {getattr(input_processor, 'name', '?')!r} of"
+                           " this workflow takes texts only", "input", kind="bad_image")
+    return Request(request_id, check(ImagePrompt(pixel_values, image_tokens), "input"), params)

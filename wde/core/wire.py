@@ -1,7 +1,10 @@
 """Messages between API servers and the engine core: msgpack through msgspec, arrays as raw bytes.
 
-An API server sends `Submit` (tokenized requests) and `Abort`; the core answers with `Results`. A numpy array
-travels as a msgpack extension (dtype, shape, bytes) and is read back without a copy, never as a float list.
+An API server sends `Submit` (tokenized texts), `SubmitImages` (images it decoded and preprocessed: their pixel
+values) and `Abort`; the core answers with `Results`. A numpy array of any dtype and shape travels as a msgpack
+extension (dtype, shape, bytes) and is read back without a copy, never as a float list: a CLIP 224 px image is
+3 x 224 x 224 float32 values, 602,112 bytes plus a header of a few dozen. Images have a message of their own so
+that a text's bytes on the wire are what they were before images existed.
 """
 
 from __future__ import annotations
@@ -31,6 +34,21 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     requests: list[Admitted]
 
 
+class AdmittedImage(msgspec.Struct, array_like=True):
+    """One image request, decoded and preprocessed by the API server: the core only checks the array's dtype and
+    shape against its model (`ImageTextInputProcessor.image_prompt`). Any shape travels (CLIP and SigLIP send
+    [3, height, width]; a variable-resolution model its own layout), with its vision-tower length."""
+
+    request_id: str
+    pixel_values: np.ndarray
+    image_tokens: int
+    params: PoolingParams
+
+
+class SubmitImages(msgspec.Struct, tag=True, array_like=True):
+    requests: list[AdmittedImage]
+
+
 class Abort(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
 
@@ -52,14 +70,19 @@ class Results(msgspec.Struct, tag=True, array_like=True):
     """Set when the core failed every listed request at once (its loop restarted): the reason, for a 503."""
 
 
-ToCore = Submit | Abort
+ToCore = Submit | SubmitImages | Abort
 
 
 def _enc_hook(value: Any) -> Any:
     if isinstance(value, np.ndarray):
-        value = np.ascontiguousarray(value)
+        if not value.flags.c_contiguous:  # (not `ascontiguousarray`: it makes a 0-d array 1-d)
+            value = value.copy(order="C")
         header = msgspec.msgpack.encode((value.dtype.str, value.shape))
-        return msgspec.msgpack.Ext(_ARRAY, len(header).to_bytes(4, "little") + header + value.tobytes())
+        head = len(header).to_bytes(4, "little") + header
+        data = bytearray(len(head) + value.nbytes)  # one copy of the values here, one into the message
+        data[:len(head)] = head
+        data[len(head):] = memoryview(value.reshape(-1)).cast("B")
+        return msgspec.msgpack.Ext(_ARRAY, data)
     if isinstance(value, np.generic):
         return value.item()
     raise NotImplementedError(f"cannot send {type(value).__name__} to or from the engine core")
@@ -70,11 +93,18 @@ def _ext_hook(code: int, data: memoryview) -> Any:
         raise ValueError(f"unknown msgpack extension {code}")
     size = int.from_bytes(data[:4], "little")
     dtype, shape = msgspec.msgpack.decode(data[4:4 + size])
-    return np.frombuffer(data[4 + size:], dtype=np.dtype(dtype)).reshape(shape)
+    return np.frombuffer(data[4 + size:], dtype=np.dtype(dtype)).reshape(tuple(shape))
+
+
+def _dec_hook(kind: type, value: Any) -> Any:
+    """A field typed `np.ndarray` takes only what `_ext_hook` made of an array extension."""
+    if kind is np.ndarray and isinstance(value, np.ndarray):
+        return value
+    raise TypeError(f"expected a numpy array extension, got {type(value).__name__}")
 
 
 encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-to_core = msgspec.msgpack.Decoder(ToCore)
+to_core = msgspec.msgpack.Decoder(ToCore, ext_hook=_ext_hook, dec_hook=_dec_hook)
 from_core = msgspec.msgpack.Decoder(Results, ext_hook=_ext_hook)
 
 
