@@ -9,6 +9,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import tempfile  # noqa: E402
+
+# Per-host kernel timings (wde/components/models/cpu_kernels.py) go to a fresh folder: a session never reads a
+# verdict cached by another run or another user.
+os.environ.setdefault("WDE_CACHE_DIR", tempfile.mkdtemp(prefix="wde-test-cache-"))
 os.environ.setdefault("WDE_DEVICE", "cpu")  # parity is checked in fp32 on CPU; GPU tests ask for cuda explicitly
 
 import torch  # noqa: E402

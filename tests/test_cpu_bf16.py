@@ -150,7 +150,8 @@ def test_bf16_engine_holds_bf16_linear_weights_on_cpu(tiny_bert: Path) -> None:
         cpu_capabilities().get("avx512_bf16") or cpu_capabilities().get("amx_bf16"))
     for mixed, others in (("auto", {torch.float32}), ("false", {torch.bfloat16})):
         with Engine.from_workflow("bert", tiny_bert, dtype="bfloat16", device="cpu",
-                                  overrides=[*MEAN, f"model.params.mixed_precision={mixed}"]) as engine:
+                                  overrides=[*MEAN, f"model.params.mixed_precision={mixed}",
+                                                 "model.params.mixed_precision_kernels=low"]) as engine:
             model = engine.components["model"]
             assert model.params.dtype == "bfloat16" and model.dtype == torch.bfloat16
             assert model.linear_backend == ("onednn" if native else "torch")

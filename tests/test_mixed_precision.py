@@ -156,8 +156,11 @@ def test_every_family_runs_mixed_and_stays_close_to_float32(case: str, tmp_path:
     workflow, build, overrides, fetch = CASES[case]
     path = build(tmp_path)
     ref, _ = _run(workflow, path, overrides, fetch, "float32", "auto")
-    mixed, model = _run(workflow, path, overrides, fetch, BF16, "auto")
+    low = "model.params.mixed_precision_kernels=low"  # bf16 kernels, whatever this host's timings say
+    mixed, model = _run(workflow, path, [*overrides, low], fetch, BF16, "auto")
     pure, pure_model = _run(workflow, path, overrides, fetch, BF16, "false")
+    wide, wide_model = _run(workflow, path, [*overrides, "model.params.mixed_precision_kernels=float32"], fetch, BF16,
+                            "auto")
 
     assert model.mixed_precision and model.dtype == torch.bfloat16 and not pure_model.mixed_precision
     linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
@@ -172,3 +175,6 @@ def test_every_family_runs_mixed_and_stays_close_to_float32(case: str, tmp_path:
         err_mixed, err_pure = _error(ref[key], mixed[key]), _error(ref[key], pure[key])
         bound = 2e-4 if ref[key].ndim == 2 else 1e-2  # measured: ≤ 5e-5 for vectors, ≤ 6e-3 for log-odds
         assert err_mixed <= bound, f"{key}: mixed {err_mixed:.2e} (pure {err_pure:.2e})"
+        # float32 kernels (cpu_kernels.py, where a host runs them faster): the float32 model, output rounded to bf16
+        assert _error(ref[key], wide[key]) <= (2e-5 if ref[key].ndim == 2 else 1e-2), key
+    assert wide_model.linear_dtype == torch.float32 and {p.dtype for p in wide_model.parameters()} == {torch.float32}

@@ -33,6 +33,11 @@ class ModelParams(Params):
     run in that dtype; embeddings, norms and the residual stream stay float32, as under torch.autocast. auto: on
     for a CPU (min cosine to float32 0.99992 instead of 0.99984 on all-MiniLM-L6-v2), off elsewhere; true is CPU
     only. No effect in float32 (wde/components/models/mixed_precision.py)."""
+    mixed_precision_kernels: Literal["auto", "low", "float32"] = "auto"
+    """With mixed precision on: the dtype its linear layers and attention run in. low: the model's dtype; float32:
+    float32 (weights too); auto: float32 for each where this CPU runs it clearly faster than the low dtype (some
+    avx512_bf16 CPUs without AMX do), timed once per host on the model's shapes and cached
+    (wde/components/models/cpu_kernels.py)."""
 
 
 class AttentionParams(Params):
@@ -136,9 +141,9 @@ class ImageTextRequestParams(LazyTokenizeParams):
         " one large photo never stalls the batches of others; 0 decodes every image with its batch"))
 
     pad_text: Literal["none", "max_length"] = Field("none", description=(
-        "max_length: pad every text's token ids to the max length with the pad token, as SigLIP was trained and as"
-        " its processor is used (padding='max_length'): its text tower attends to the padding and pools the last"
-        " position"))
+        "max_length: pad every text's token ids to the max length with the pad token, as SigLIP and SigLIP 2 were"
+        " trained and as their processors are used (padding='max_length'), on the side the tokenizer pads (its"
+        " padding_side): their text towers attend to the padding and pool the last position"))
 
 
 class ProjectedPoolerParams(Params):

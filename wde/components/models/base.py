@@ -13,6 +13,7 @@ from wde.components.base import BuildContext, Component, Params
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.cpu_linear import pack_linears, resolve_cpu_linear
 from wde.components.models.loader import load_weights
+from wde.components.models.cpu_kernels import Float32Attention, attention_dtype, linear_dtype
 from wde.components.models.mixed_precision import cast_linears, float32_outside_linears, resolve_mixed_precision
 from wde.components.params import ModelParams  # torch-free, so validating a workflow needs no torch
 from wde.device import default_device, suggest_cpu_bf16, warn_emulated_cpu_bf16
@@ -96,11 +97,23 @@ class PrefillModel(nn.Module, Component):
         self.causal = self.attn_backend.resolve_causal(self.default_causal)
         self.mixed_precision = resolve_mixed_precision(params.mixed_precision, self.device, self.dtype)
         """Linear layers in `dtype`, everything else in float32 (wde/components/models/mixed_precision.py)."""
+        self.linear_dtype = self.dtype
+        """The dtype the linear layers run in: `dtype`, or float32 in mixed precision where this CPU runs float32
+        faster (wde/components/models/cpu_kernels.py)."""
+        self.attention_dtype = self.dtype
+        if self.mixed_precision:
+            self.attention_dtype = self._mixed_attention_dtype(params)
+            if self.attention_dtype == torch.float32:
+                self.attn_backend = Float32Attention(self.attn_backend)  # type: ignore[assignment]
         self._check_position_table(ctx)
         with torch.device(self.device), _default_dtype(self.dtype):
             self.build(self.config)
         if self.mixed_precision:
-            float32_outside_linears(self)  # embeddings and norms load as float32
+            self.linear_dtype = linear_dtype(params.mixed_precision_kernels, self, self.dtype)
+            if self.linear_dtype == torch.float32:
+                self.float()  # a float32 model that hands `dtype` to its pooler; weights load as float32
+            else:
+                float32_outside_linears(self)  # embeddings and norms load as float32
         self.eval()
         try:
             load_weights(self, ctx.source.iter_weights(), self.checkpoint_prefixes, self.packed_modules_mapping,
@@ -108,13 +121,24 @@ class PrefillModel(nn.Module, Component):
         except ModelLoadError as e:
             raise ModelLoadError(f"{type(self).__name__} cannot load {ctx.source.path}: {e}") from None
         if self.mixed_precision:
-            cast_linears(self, self.dtype)
+            cast_linears(self, self.linear_dtype)  # inputs cast to the linear dtype, whatever a model hands them
             self.register_forward_hook(_cast_output)  # poolers and heads get `dtype`, as from a pure model
-        self.linear_backend = resolve_cpu_linear(params.cpu_linear, self.device, self.dtype)
+        self.linear_backend = resolve_cpu_linear(params.cpu_linear, self.device, self.linear_dtype)
         """"torch" or "onednn": the path this model's linear layers take."""
         if self.linear_backend == "onednn":
             scheduler = ctx.components.get("scheduler")
             pack_linears(self, int(getattr(scheduler, "token_budget", 2048)))
+
+    def _mixed_attention_dtype(self, params: ModelParams) -> torch.dtype:
+        """The dtype attention runs in under mixed precision: the low dtype or float32 (cpu_kernels.py), timed at
+        the config's heads and head size (the low dtype when the config names neither)."""
+        cfg = self.config
+        heads = getattr(cfg, "num_attention_heads", None)
+        hidden = getattr(cfg, "hidden_size", None)
+        head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if heads and hidden else None)
+        if params.mixed_precision_kernels == "auto" and not (isinstance(heads, int) and isinstance(head_dim, int)):
+            return self.dtype
+        return attention_dtype(params.mixed_precision_kernels, heads or 0, head_dim or 0, self.dtype)
 
     @property
     def hidden_size(self) -> int:
