@@ -131,12 +131,18 @@ def _split_list(values: tuple[str, ...]) -> list[str]:
 
 @main.command()
 @click.option("--input", "inputs", required=True, multiple=True, metavar="PATH[,PATH…]",
-              help=".jsonl (strings, or objects with --text-field), .parquet (a --text-field column) or .txt (one"
-                   " text a line); repeat or comma-separate for several files")
+              help=".jsonl (strings, or objects with --text-field / --image-field), .parquet (a --text-field and/or"
+                   " --image-field column) or .txt (one text a line; with --image-field one image path a line);"
+                   " repeat or comma-separate for several files")
 @click.option("--output", "output", required=True, metavar="PATH",
               help="out.parquet (a directory of part-NNNNNN.parquet shards: id + embedding columns) or out.npy"
                    " (the matrix only)")
-@click.option("--text-field", default="text", show_default=True, help="jsonl key / parquet column with the text")
+@click.option("--text-field", default=None,
+              help="jsonl key / parquet column with the text (default: text, unless --image-field is given)")
+@click.option("--image-field", default=None, metavar="NAME",
+              help="jsonl key / parquet column with the image: a local file path (relative to the input file's"
+                   " folder) or a data:image/... URI, or parquet image bytes; clip / siglip workflows. With"
+                   " --text-field too, each record has one or the other (docs/images.md)")
 @click.option("--id-field", default=None, help="jsonl key / parquet column with the id (default: FILE:LINE)")
 @click.option("--outputs", "outputs", default="dense", show_default=True, metavar="dense[,sparse,colbert]",
               help="what to write; sparse and colbert need a workflow that makes them (bge_m3)")
@@ -170,7 +176,8 @@ def _split_list(values: tuple[str, ...]) -> list[str]:
 @click.option("--progress/--no-progress", default=None, help="progress bar on stderr (default: when it is a terminal)")
 @click.option("--trust-remote-code", is_flag=True, default=False,
               help="allow the model folder's own Python code (auto_map); off unless you trust the model")
-def embed(inputs: tuple[str, ...], output: str, text_field: str, id_field: str | None, outputs: str,
+def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_field: str | None,
+          id_field: str | None, outputs: str,
           workflow: str | None, model: str | None, overrides: tuple[str, ...], truncate: bool,
           prompt_name: str | None, skip_blank: bool, shard_size: int, max_line_bytes: int, resume: bool,
           overwrite: bool, workers: int, devices: str | None, ray_address: str | None, progress: bool | None,
@@ -188,7 +195,10 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str, id_field: str |
     from wde.errors import RequestError
 
     try:
-        job = EmbedJob(inputs=tuple(_split_list(inputs)), output=output, text_field=text_field, id_field=id_field,
+        if text_field is None and image_field is None:
+            text_field = "text"
+        job = EmbedJob(inputs=tuple(_split_list(inputs)), output=output, text_field=text_field,
+                       image_field=image_field, id_field=id_field,
                        outputs=tuple(_split_list((outputs,))), truncate=truncate, prompt_name=prompt_name,
                        skip_blank=skip_blank, shard_size=shard_size, max_line_bytes=max_line_bytes,
                        workflow=workflow, model=model, overrides=overrides, trust_remote_code=trust_remote_code)
@@ -269,6 +279,12 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str, id_field: str |
 @click.option("--allowed-origins", multiple=True, metavar="ORIGIN[,ORIGIN…]",
               help="web origins (https://app.example.com) whose pages may call the server from a browser, or *;"
                    " requests from any other web page (an Origin header) are answered 403 (default: none)")
+@click.option("--allow-image-fetch", multiple=True, metavar="HOST[,HOST…]",
+              help="hosts whose http(s) image URLs an image-text model (CLIP, SigLIP) may fetch (any port; streamed"
+                   " within max_image_bytes, no redirect elsewhere); by default no URL is fetched: images come as"
+                   " data:image/...;base64 URIs (docs/images.md)")
+@click.option("--image-fetch-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              metavar="SECONDS", help="the most one image fetch (--allow-image-fetch) may take in all; then it is 400")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="log level; debug also prints the traceback of a start-up failure after its one line")
@@ -277,8 +293,8 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, api_key
           max_concurrent_requests: int, payload_limit: int | None, trust_remote_code: bool, access_log: bool,
           quantization_ranges: str | None, api_servers: str, token_id_inputs: bool, request_timeout: float,
           stall_timeout: float, header_timeout: float, body_timeout: float, allowed_origins: tuple[str, ...],
-          log_level: str) -> None:
-    """Serve a workflow over HTTP (OpenAI, rerank and TEI-compatible routes).
+          allow_image_fetch: tuple[str, ...], image_fetch_timeout: float, log_level: str) -> None:
+    """Serve a workflow over HTTP (OpenAI, rerank and TEI-compatible routes; images too for CLIP and SigLIP).
 
     Exits 0 after SIGINT/SIGTERM (requests in flight are finished first), 1 when it cannot start (one line naming
     the cause: port in use, bad host, broken model folder...; nothing is loaded when the port is taken), and 3 when
@@ -297,10 +313,13 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, api_key
                               quantization_ranges=quantization_ranges, token_id_inputs=token_id_inputs,
                               request_timeout=request_timeout, stall_timeout=stall_timeout,
                               header_timeout=header_timeout, body_timeout=body_timeout,
-                              allowed_origins=tuple(_split_list(allowed_origins)), log_level=log_level)
+                              allowed_origins=tuple(_split_list(allowed_origins)),
+                              allow_image_fetch=tuple(_split_list(allow_image_fetch)),
+                              image_fetch_timeout=image_fetch_timeout, log_level=log_level)
     except ValueError as e:
         hint = ("--api-key" if "api_key" in str(e) else "--quantization-ranges" if "quantization" in str(e)
-                else "--allowed-origins" if "origin" in str(e) else None)
+                else "--allowed-origins" if "origin" in str(e) else "--allow-image-fetch" if "image_fetch" in str(e)
+                else None)
         raise click.BadParameter(str(e), param_hint=hint) from None
     if api_servers != "auto" and not (api_servers.isdigit() and int(api_servers) <= 64):
         raise click.BadParameter(f"must be 'auto' or a number of processes from 0 to 64, got {api_servers!r}",

@@ -70,7 +70,9 @@ def create_app(engine: Engine | CoreClient, config: ServerConfig | None = None) 
     # Added innermost first: a request passes the id, metrics, origin, key, content-type, size and body-time
     # checks in that order (the origin check before the key: a CORS preflight carries no key).
     app.add_middleware(BodyTimeoutMiddleware, timeout=config.body_timeout)
-    app.add_middleware(PayloadLimitMiddleware, limit=config.effective_payload_limit(async_engine.info.max_length))
+    service = app.state.service
+    app.add_middleware(PayloadLimitMiddleware, limit=config.effective_payload_limit(async_engine.info.max_length,
+                                                                                    service.max_image_bytes))
     json_routes = frozenset(r.path for router in _ROUTERS for r in router.routes if "POST" in r.methods)
     app.add_middleware(JsonContentTypeMiddleware, paths=json_routes)
     if config.api_key is not None:

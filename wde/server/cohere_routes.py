@@ -1,15 +1,19 @@
 """Cohere v2 /v2/embed: embeddings by type (float, int8, uint8, binary, ubinary, base64), `input_type` mapped
-to the workflow's prompts. /v2/rerank lives with the other rerank routes (rerank_routes.py)."""
+to the workflow's prompts; texts (`texts`, text content) and, for an image-text model, images (`images`, image_url
+content). /v2/rerank lives with the other rerank routes (rerank_routes.py)."""
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
 
 from wde.request import PoolingParams
 from wde.server.errors import ApiError
+from wde.server.image_inputs import image_inputs, require_images, text_input
 from wde.server.protocol import CohereEmbedRequest, CohereImage, body_schema, parse, read_json
 from wde.server.quantize import quantize_rows, to_base64
 from wde.server.responses import JSONResponse
@@ -31,41 +35,91 @@ _TRUNCATE = {"NONE": (False, "right"), "END": (True, "right"), "START": (True, "
 
 def prompt_name(input_type: str | None, prompts: dict[str, str]) -> str | None:
     """The prompt an `input_type` selects: one of its names the model defines, else none (the plain text); any
-    other value must name one of the model's prompts itself."""
-    if input_type is None:
+    other value must name one of the model's prompts itself. "image" selects none (prompts are for texts)."""
+    if input_type is None or input_type == "image":
         return None
-    if input_type == "image":
-        raise ApiError("unsupported", "input_type 'image': this server embeds text only", "input_type")
     for name in INPUT_TYPE_PROMPTS.get(input_type, (input_type,)):
         if name in prompts:
             return name
     if input_type in INPUT_TYPE_PROMPTS:
         return None
     raise ApiError("validation", f"input_type {input_type!r} is neither a Cohere input type"
-                   f" ({', '.join(INPUT_TYPE_PROMPTS)}) nor a prompt of this model (defined prompts:"
+                   f" ({', '.join(INPUT_TYPE_PROMPTS)}, image) nor a prompt of this model (defined prompts:"
                    f" {sorted(prompts) or 'none'})", "input_type")
 
 
-def _texts(body: CohereEmbedRequest) -> tuple[list[str], list[str]]:
-    """The texts to embed and their names for errors, from `texts` or from text-only `inputs`."""
-    if body.images:
-        raise ApiError("unsupported", "images: this server embeds text only", "images")
-    if body.texts is not None and body.inputs is not None:
-        raise ApiError("validation", "texts and inputs are both given; send one of them", "inputs")
+@dataclass
+class _Inputs:
+    """What a /v2/embed body asks to embed: engine inputs in order, their names, and which are which."""
+
+    items: list[Any] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    """The texts, for the response's `texts`."""
+    images: list[tuple[str, str]] = field(default_factory=list)
+    """(reference, name) of each image, resolved into `items` by `_resolve`."""
+    field: str = "texts"
+
+
+def _inputs(svc: Service, body: CohereEmbedRequest) -> _Inputs:
+    """The inputs of `texts`, `images` or `inputs` (exactly one of them), checked against what the model embeds."""
+    given = [f for f in ("texts", "images", "inputs") if getattr(body, f) is not None]
+    if len(given) > 1:
+        both = "both" if len(given) == 2 else "all"
+        raise ApiError("validation", f"{' and '.join(given)} are {both} given; send one of them", given[-1])
+    out = _Inputs(field=given[0] if given else "texts")
+    if body.input_type == "image":
+        require_images(svc, "input_type", "input_type 'image'")
+    if body.images is not None:
+        require_images(svc, "images", "images")
+        for i, image in enumerate(body.images):
+            out.images.append((image, f"images[{i}]"))
+            out.items.append(None)
+            out.names.append(f"images[{i}]")
+        return out
     if body.inputs is None:
-        texts = body.texts or []
-        return texts, [f"texts[{i}]" for i in range(len(texts))]
-    texts, names = [], []
+        for i, text in enumerate(body.texts or []):
+            _add_text(out, body, text, f"texts[{i}]")
+        return out
     for i, item in enumerate(body.inputs):
         where = f"inputs[{i}].content"
-        if any(isinstance(part, CohereImage) for part in item.content):
-            raise ApiError("unsupported", f"{where}: this server embeds text only, not image_url parts", where)
+        images = [j for j, part in enumerate(item.content) if isinstance(part, CohereImage)]
+        if images and not svc.takes_images:
+            raise ApiError("unsupported", f"{where}[{images[0]}] is an image_url part: this model embeds text only"
+                           f" (workflow {svc.info.workflow!r})", where)
+        if images and len(images) < len(item.content):
+            raise ApiError("validation", f"{where} mixes {len(images)} image_url and {len(item.content) - len(images)}"
+                           " text part(s): CLIP and SigLIP embed a text and an image separately (two towers, one"
+                           " vector each), never together; send them as separate inputs", where)
         if len(item.content) != 1:
-            raise ApiError("validation", f"{where} has {len(item.content)} text parts; send exactly one text per"
-                           " input", where)
-        texts.append(item.content[0].text)  # type: ignore[union-attr]
-        names.append(f"{where}[0].text")
-    return texts, names
+            kind = "image_url" if images else "text"
+            raise ApiError("validation", f"{where} has {len(item.content)} {kind} parts; send exactly one text or"
+                           " image per input", where)
+        part = item.content[0]
+        if isinstance(part, CohereImage):
+            out.images.append((part.image_url.url, f"{where}[0].image_url"))
+            out.items.append(None)
+            out.names.append(f"{where}[0].image_url")
+        else:
+            _add_text(out, body, part.text, f"{where}[0].text")
+    return out
+
+
+def _add_text(out: _Inputs, body: CohereEmbedRequest, text: str, name: str) -> None:
+    if body.input_type == "image":
+        raise ApiError("validation", f"input_type 'image' is for images, and {name} is a text; give texts a text"
+                       f" input type ({', '.join(INPUT_TYPE_PROMPTS)})", "input_type")
+    out.items.append(text_input(text))
+    out.names.append(name)
+    out.texts.append(text)
+
+
+async def _resolve(svc: Service, out: _Inputs) -> None:
+    """Fill in the engine inputs of the images (data: URIs as they are, allowed URLs fetched)."""
+    if not out.images:
+        return
+    resolved = iter(await image_inputs(svc, [v for v, _ in out.images], [n for _, n in out.images]))
+    out.items = [next(resolved) if item is None else item for item in out.items]
 
 
 @router.post("/v2/embed", openapi_extra=body_schema(CohereEmbedRequest))
@@ -74,16 +128,17 @@ async def embed(request: Request) -> JSONResponse:
     body = parse(CohereEmbedRequest, await read_json(request))
     svc.check_model(body.model)
     svc.require("dense", "/v2/embed")
-    texts, names = _texts(body)
-    if not texts:
-        raise ApiError("empty", "texts is empty: send at least one text", "texts")
+    inputs = _inputs(svc, body)
+    if not inputs.items:
+        raise ApiError("empty", f"{inputs.field} is empty: send at least one input", inputs.field)
     svc.check_token_cap(body.max_tokens, "max_tokens")
     truncate, direction = _TRUNCATE[body.truncate]
     prompts = getattr(svc.engine.input_processor, "prompts", {})
     params = PoolingParams(truncate=truncate, truncation_direction=direction,  # type: ignore[arg-type]
                            prompt_name=prompt_name(body.input_type, prompts), dimensions=body.output_dimension,
                            outputs=("dense",))
-    result = await svc.run(request, texts, params, "texts", names)
+    await _resolve(svc, inputs)
+    result = await svc.run(request, inputs.items, params, inputs.field, inputs.names, images=True)
     floats = [np.asarray(v, dtype=np.float32) for v in result.dense]
     embeddings: dict[str, list] = {}
     for kind in dict.fromkeys(body.embedding_types or ["float"]):
@@ -95,7 +150,10 @@ async def embed(request: Request) -> JSONResponse:
             embeddings[kind] = quantize_rows(floats, kind, svc.config.quantization_ranges,  # type: ignore[arg-type]
                                              "embedding_types")
     tokens = result.prompt_tokens
+    billed: dict[str, int] = {"input_tokens": tokens}
+    if inputs.images:
+        billed["images"] = len(inputs.images)
     return JSONResponse({"id": f"embed-{uuid.uuid4().hex}", "response_type": "embeddings_by_type",
-                         "embeddings": embeddings, "texts": texts,
-                         "meta": {"api_version": {"version": "2"}, "billed_units": {"input_tokens": tokens},
+                         "embeddings": embeddings, "texts": inputs.texts,
+                         "meta": {"api_version": {"version": "2"}, "billed_units": billed,
                                   "tokens": {"input_tokens": tokens}}}, headers=result.headers)

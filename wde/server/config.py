@@ -52,18 +52,24 @@ class ServerConfig:
     body_timeout: float = 60.0
     """Seconds a request's body has to arrive after its headers; then it is answered 408 and the connection closed;
     0: no limit."""
+    allow_image_fetch: tuple[str, ...] = ()
+    """Host names whose http(s) image URLs the server fetches for an image-text model (`wde serve
+    --allow-image-fetch`). None by default: an image URL is refused with a 400 and only data: URIs are served, so a
+    client can never make the server connect anywhere (no SSRF). See wde/server/image_fetch.py."""
+    image_fetch_timeout: float = 10.0
+    """Seconds one image fetch may take in all (connecting, redirects, the whole body); then it is refused (400)."""
 
     def engine_args(self) -> dict[str, object]:
         """What `Engine.from_workflow` / `wde.engine.resolve` are given to build what this server serves."""
         return {"workflow": self.workflow, "model": self.model, "overrides": self.overrides,
                 "trust_remote_code": self.trust_remote_code}
 
-    def effective_payload_limit(self, max_length: int) -> int:
+    def effective_payload_limit(self, max_length: int, max_image_bytes: int | None = None) -> int:
         """The body limit in bytes: `payload_limit` when given, else `default_payload_limit` for this batch limit
-        and a model of `max_length` tokens."""
+        and a model of `max_length` tokens (taking images of up to `max_image_bytes`, for an image-text model)."""
         if self.payload_limit is not None:
             return self.payload_limit
-        return default_payload_limit(self.max_client_batch_size, max_length)
+        return default_payload_limit(self.max_client_batch_size, max_length, max_image_bytes)
 
     def model_names(self, public_name: str) -> tuple[str, ...]:
         """Every `model` a request may name, the primary first: the --served-model-name values (else
@@ -93,6 +99,9 @@ class ServerConfig:
             raise ValueError(f"payload_limit must be at least 1 byte, got {self.payload_limit}")
         if self.served_model_name is not None and not self.served_model_name.strip(" ,"):
             raise ValueError("served_model_name is empty: give a name, several comma separated, or none")
+        if not self.image_fetch_timeout > 0 or self.image_fetch_timeout == float("inf"):
+            raise ValueError(f"image_fetch_timeout must be a number of seconds above 0, got {self.image_fetch_timeout}")
+        self.allow_image_fetch = tuple(dict.fromkeys(fetch_host(h) for h in self.allow_image_fetch))
         if self.quantization_ranges is not None:
             from wde.server.quantize import load_ranges
 
@@ -112,12 +121,35 @@ MIN_PAYLOAD_LIMIT = 2_000_000
 """Never below TEI's default."""
 
 
-def default_payload_limit(max_client_batch_size: int, max_length: int) -> int:
+def default_payload_limit(max_client_batch_size: int, max_length: int, max_image_bytes: int | None = None) -> int:
     """The default body limit: a full legal batch (`max_client_batch_size` inputs of `max_length` tokens) fits,
-    `batch x (max_length x 16 + 64) + 64 KiB` bytes, and never below TEI's 2,000,000 bytes.
+    `batch x (max_length x 16 + 64) + 64 KiB` bytes, and never below TEI's 2,000,000 bytes. For a model that takes
+    images (`max_image_bytes`, its `input_processor.params.max_image_bytes`), one image of the largest legal size
+    also fits as a base64 data: URI, so the engine, not the body limit, is what refuses an image over its size
+    limit, by name (a full batch of the largest images would be gigabytes: several go in one body while they fit).
 
     The all-MiniLM-L6-v2 default (2,048 inputs of up to 256 tokens) gives 8,585,216 bytes; an 8,192-token model
-    ~269 MB (an explicit `--payload-limit` wins).
+    ~269 MB; CLIP (77 tokens, 20 MiB images) 28,027,628 bytes (an explicit `--payload-limit` wins).
     """
     per_input = max_length * BYTES_PER_TOKEN + BYTES_PER_INPUT
-    return max(MIN_PAYLOAD_LIMIT, max_client_batch_size * per_input + BODY_OVERHEAD)
+    limit = max(MIN_PAYLOAD_LIMIT, max_client_batch_size * per_input + BODY_OVERHEAD)
+    if max_image_bytes is not None:
+        limit = max(limit, -(-max_image_bytes // 3) * 4 + BYTES_PER_INPUT + BODY_OVERHEAD)
+    return limit
+
+
+def fetch_host(host: str) -> str:
+    """One `--allow-image-fetch` entry as it is compared with a URL's host: lowercased, IPv6 brackets and a final
+    dot dropped. A scheme, port, path or wildcard is refused: the list names hosts, each exactly."""
+    name = host.strip().lower().rstrip(".")
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    if not name:
+        raise ValueError("allow_image_fetch has an empty host name")
+    if "*" in name:
+        raise ValueError(f"allow_image_fetch host {host!r}: wildcards are not accepted (a server that fetches any"
+                         " URL can be made to reach internal services); name each host")
+    if any(c in name for c in "/@?#") or name.count(":") == 1:
+        raise ValueError(f"allow_image_fetch host {host!r} is not a host name: give names such as images.example.com"
+                         " or 10.0.0.5, without scheme, port or path (any port of a listed host is allowed)")
+    return name

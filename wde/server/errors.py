@@ -14,19 +14,21 @@ from wde.server.responses import JSONResponse
 
 ErrorKind = Literal["empty", "validation", "too_long", "not_found", "unauthorized", "unsupported", "overloaded",
                     "backend", "unhealthy", "bad_json", "bad_text", "too_large", "not_allowed", "timeout",
-                    "client_timeout", "forbidden", "unsupported_media"]
+                    "client_timeout", "forbidden", "unsupported_media", "bad_image", "image_too_large"]
 Style = Literal["openai", "tei"]
 
 STATUS: dict[str, int] = {
     "empty": 400,
     "bad_json": 400,
     "bad_text": 400,
+    "bad_image": 400,
     "unauthorized": 401,
     "forbidden": 403,
     "not_found": 404,
     "not_allowed": 405,
     "client_timeout": 408,
     "too_large": 413,
+    "image_too_large": 413,
     "unsupported_media": 415,
     "validation": 422,
     "too_long": 422,
@@ -51,7 +53,9 @@ _TEI_TYPE: dict[str, str] = {
     "empty": "empty",
     "bad_json": "validation",
     "bad_text": "validation",
+    "bad_image": "validation",
     "too_large": "validation",
+    "image_too_large": "validation",
     "not_allowed": "validation",
     "validation": "validation",
     "too_long": "validation",

@@ -1,6 +1,9 @@
 """OpenAI-compatible routes: /v1/embeddings (also at /embeddings, where TEI and Infinity serve it), /v1/models,
 /v1/models/{id}, Infinity's /models, and /pooling (every output, e.g. bge-m3's dense + sparse + colbert, in
-OpenAI's list envelope)."""
+OpenAI's list envelope).
+
+/v1/embeddings takes OpenAI's body (`input`: texts), Infinity's `modality: "image"` (`input`: image URLs or data
+URIs) and vLLM's chat-style body (`messages`, wde/server/chat_embeddings.py), for images of an image-text model."""
 
 from __future__ import annotations
 
@@ -8,8 +11,11 @@ import numpy as np
 from fastapi import APIRouter, Request
 
 from wde.request import PoolingParams
+from wde.server.chat_embeddings import chat_input
 from wde.server.errors import ApiError
-from wde.server.protocol import EmbeddingRequest, PoolingRequest, body_schema, embed_items, item_names, parse, read_json
+from wde.server.image_inputs import image_inputs, require_images
+from wde.server.protocol import (ChatEmbeddingRequest, EmbeddingOptions, EmbeddingRequest, PoolingRequest, body_schema,
+                                 embed_items, item_names, parse, read_json)
 from wde.server.quantize import quantize_rows, to_base64
 from wde.server.responses import JSONResponse
 from wde.server.service import Result, Service, to_json
@@ -29,18 +35,49 @@ def encode_vector(vector: np.ndarray, encoding_format: str) -> np.ndarray | str:
     return np.ascontiguousarray(vector)
 
 
-@router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingRequest))
-@router.post("/embeddings", openapi_extra=body_schema(EmbeddingRequest))
+@router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingRequest, ChatEmbeddingRequest))
+@router.post("/embeddings", openapi_extra=body_schema(EmbeddingRequest, ChatEmbeddingRequest))
 async def embeddings(request: Request) -> JSONResponse:
     svc = service(request)
-    body = parse(EmbeddingRequest, await read_json(request))
+    raw = await read_json(request)
+    if isinstance(raw, dict) and "messages" in raw:
+        chat = parse(ChatEmbeddingRequest, raw)
+        if "input" in raw:
+            raise ApiError("validation", "input and messages are both given; send one of them (messages: vLLM's"
+                           " chat-style request, one vector per request)", "messages")
+        svc.check_model(chat.model)
+        svc.require("dense", request.url.path)
+        item, name = await chat_input(svc, chat)
+        if chat.prompt_name is not None and not isinstance(item, dict):  # texts are {"text": ...}
+            raise ApiError("validation", f"prompt_name applies to texts, and {name} is an image; leave it out",
+                           "prompt_name")
+        return await _embed(request, svc, chat, [item], [name], images=True)
+    body = parse(EmbeddingRequest, raw)
     svc.check_model(body.model)
-    if body.modality not in (None, "text"):
-        raise ApiError("unsupported", f"modality {body.modality!r}: this server embeds text only", "modality")
+    if body.modality == "audio":
+        raise ApiError("unsupported", "modality 'audio': WDE embeds texts and images, not audio", "modality")
+    if body.modality == "image":
+        require_images(svc, "modality", "modality 'image'")
+        svc.require("dense", request.url.path)
+        values = [body.input] if isinstance(body.input, str) else list(body.input)
+        if not all(isinstance(v, str) for v in values):
+            raise ApiError("validation", "input: with modality 'image' it is an image URL or data:image URI, or a list"
+                           " of them, not token ids", "input")
+        names = item_names("input", body.input)
+        if body.prompt_name is not None:
+            raise ApiError("validation", "prompt_name applies to texts, and with modality 'image' every input is an"
+                           " image; leave it out", "prompt_name")
+        return await _embed(request, svc, body, await image_inputs(svc, values, names), names, images=True)
     svc.require("dense", request.url.path)
+    return await _embed(request, svc, body, embed_items(body.input), item_names("input", body.input))
+
+
+async def _embed(request: Request, svc: Service, body: EmbeddingOptions, inputs: list, names: list[str],
+                 images: bool = False) -> JSONResponse:
+    """Embed `inputs` with the body's options, in OpenAI's list envelope."""
     params = PoolingParams(truncate=body.truncate, prompt_name=body.prompt_name, dimensions=body.dimensions or None,
                            outputs=("dense",))
-    result = await svc.run(request, embed_items(body.input), params, "input", item_names("input", body.input))
+    result = await svc.run(request, inputs, params, "input", names, images=images)
     vectors = quantize_rows(result.dense, body.embed_dtype, svc.config.quantization_ranges, "embed_dtype")
     data = [{"object": "embedding", "embedding": encode_vector(v, body.encoding_format), "index": i}
             for i, v in enumerate(vectors)]

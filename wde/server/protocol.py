@@ -32,13 +32,10 @@ def _direction(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
-class EmbeddingRequest(Body):
-    """OpenAI /v1/embeddings (also Infinity's and TEI's /embeddings)."""
+class EmbeddingOptions(Body):
+    """What OpenAI's /v1/embeddings takes besides the inputs, in both of its bodies (`input`, vLLM's `messages`)."""
 
-    input: EmbedInput
     model: str | None = None
-    modality: Literal["text", "image", "audio"] | None = None
-    """Infinity's: only text is served (image and audio answer 424)."""
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=0)
     """0 means every dimension, as on Infinity (infinity_client sends 0 unless told otherwise)."""
@@ -48,7 +45,57 @@ class EmbeddingRequest(Body):
     truncate: bool = False
     """Extension: truncate over-long inputs instead of rejecting them."""
     prompt_name: str | None = None
-    """Extension: a named instruction prefix of the model (e.g. "query")."""
+    """Extension: a named instruction prefix of the model (e.g. "query"); texts only."""
+
+
+class EmbeddingRequest(EmbeddingOptions):
+    """OpenAI /v1/embeddings (also Infinity's and TEI's /embeddings)."""
+
+    input: EmbedInput
+    modality: Literal["text", "image", "audio"] | None = None
+    """Infinity's: "image" makes every `input` an image URL or data:image URI (for an image-text model); audio
+    answers 424."""
+
+
+class ImageUrl(Body):
+    """OpenAI's `image_url` of a content part: a data:image URI or an http(s) URL."""
+
+    url: str
+    detail: Literal["auto"] | None = None
+    """OpenAI's resolution hint for chat models; an embedder sees every image at its one input size, so only
+    "auto" (the default) is accepted."""
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(Body):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
+class ChatMessage(Body):
+    role: str
+    content: Union[str, list[ContentPart]]
+    name: str | None = None
+
+
+class ChatEmbeddingRequest(EmbeddingOptions):
+    """vLLM's chat-style /v1/embeddings body (`EmbeddingChatRequest`): one conversation, one vector. A two-tower
+    image-text model (CLIP, SigLIP) embeds one user message holding one text or one image."""
+
+    messages: list[ChatMessage]
+    chat_template: str | None = None
+    """vLLM's; refused when given: a two-tower model has no chat template (nor do WDE's text embedders)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's; refused when given, as `chat_template`."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """vLLM's; refused when given: images are preprocessed exactly as the model's preprocessor_config.json says."""
 
 
 class PoolingRequest(Body):
@@ -233,9 +280,14 @@ class CohereText(Body):
     text: str
 
 
+class CohereImageUrl(Body):
+    url: str
+    """A data:image URI, or an http(s) URL on a host the server fetches from (--allow-image-fetch)."""
+
+
 class CohereImage(Body):
     type: Literal["image_url"]
-    image_url: Any = None
+    image_url: CohereImageUrl
 
 
 class CohereInput(Body):
@@ -247,9 +299,11 @@ class CohereEmbedRequest(Body):
 
     model: str | None = None
     input_type: str | None = None
-    """search_query / search_document / classification / clustering, mapped to the workflow's prompts."""
+    """search_query / search_document / classification / clustering, mapped to the workflow's prompts (of texts);
+    "image" for images (Cohere's v3 models require it with `images`)."""
     texts: list[str] | None = None
     images: list[str] | None = None
+    """data:image URIs (or, with --allow-image-fetch, http(s) URLs) for an image-text model."""
     inputs: list[CohereInput] | None = None
     max_tokens: int | None = Field(None, gt=0)
     output_dimension: int | None = Field(None, gt=0)

@@ -16,6 +16,7 @@ import numpy as np
 from fastapi import Request
 
 from wde.async_engine import AsyncEngine, EngineOverloaded, EngineTimeout, EngineUnavailable, input_names
+from wde.components.image_input import ImageTextInputProcessor, is_image
 from wde.core.client import CoreClient
 from wde.engine_info import EngineInfo
 from wde.errors import RequestError
@@ -23,6 +24,7 @@ from wde.model_source import DEFAULT_MODEL
 from wde.request import PoolingParams, RequestOutput
 from wde.server.config import ServerConfig
 from wde.server.errors import ApiError, ErrorKind, request_id
+from wde.server.image_fetch import ImageFetcher
 from wde.server.metrics import ServerMetrics
 
 _NEEDS = {
@@ -42,7 +44,8 @@ TOKEN_IDS_REFUSED = (
     " instead (langchain-openai's OpenAIEmbeddings sends tiktoken cl100k ids unless given"
     " check_embedding_ctx_length=False)")
 
-_KIND: dict[str, ErrorKind] = {"empty": "empty", "encoding": "bad_text", "too_long": "too_long"}
+_KIND: dict[str, ErrorKind] = {"empty": "empty", "encoding": "bad_text", "too_long": "too_long",
+                               "bad_image": "bad_image", "image_too_large": "image_too_large"}
 """RequestError kinds → API error kinds (anything else the input caused is "validation")."""
 
 T = TypeVar("T")
@@ -90,6 +93,16 @@ class Service:
         """What responses call the model: never a local path (a model folder is named by its last component)."""
         self.created = int(time.time())
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wde-tokenize-api")
+        processor = engine.input_processor
+        self.takes_images = isinstance(processor, ImageTextInputProcessor)
+        """Whether the workflow embeds images too (CLIP, SigLIP): the image inputs of the routes need it."""
+        self.max_image_bytes: int | None = processor.params.max_image_bytes if self.takes_images else None
+        self.fetcher = (ImageFetcher(config.allow_image_fetch, self.max_image_bytes, config.image_fetch_timeout)
+                        if self.takes_images and config.allow_image_fetch else None)
+        """Fetches image URLs from the --allow-image-fetch hosts; None (every URL refused) unless some are named."""
+        if config.allow_image_fetch and not self.takes_images:
+            log.warning("--allow-image-fetch has no effect: workflow %r embeds text only, and images sent to it are"
+                        " refused", self.info.workflow)
 
     def liveness(self) -> str | None:
         """None while the engine serves; else why not, for /health's 503: the loop stopped or gave up, or it has
@@ -157,11 +170,13 @@ class Service:
         return list(self.info.labels)
 
     async def run(self, request: Request, inputs: Sequence[Any], params: PoolingParams | Sequence[PoolingParams],
-                  field: str, names: Sequence[str | tuple[str, str]] | None = None) -> Result:
+                  field: str, names: Sequence[str | tuple[str, str]] | None = None, images: bool = False) -> Result:
         """Validate the batch, run it, and map every failure to its status code.
 
         `field` is the body field holding the inputs; `names`, when given, names each input in errors (a pair
-        may name each side, e.g. ``("query", "documents[3]")``), else they are `field` / `field[i]`.
+        may name each side, e.g. ``("query", "documents[3]")``), else they are `field` / `field[i]`. Only a route
+        that reads image fields passes `images=True` (wde/server/image_inputs.py); elsewhere a data:image/ URI in
+        a text field is refused rather than embedded as an image the API never said it takes.
         """
         start = time.perf_counter()
         if not inputs:
@@ -176,6 +191,13 @@ class Service:
                 if is_token_ids(item):
                     where = name if isinstance(name, str) else name[1]
                     raise ApiError("validation", TOKEN_IDS_REFUSED.format(name=where), where)
+        if self.takes_images and not images:
+            for item, name in zip(inputs, names):
+                if is_image(item):
+                    where = name if isinstance(name, str) else name[1]
+                    raise ApiError("validation", f"{where} is a data:image/ URI in a field that carries texts; send"
+                                   " images as image_url parts of /v1/embeddings `messages`, with /embeddings"
+                                   " `modality: \"image\"`, or as /v2/embed `images` (docs/images.md)", where)
         rid = request_id(request)
         timeout = self.config.request_timeout or None
         try:
@@ -280,7 +302,8 @@ def _timing_headers(outputs: list[RequestOutput], start: float, inputs: Sequence
 
     n = len(outputs)
     total = time.perf_counter() - start
-    chars = sum(len(t) for x in inputs for t in (x if isinstance(x, tuple) else (x,)) if isinstance(t, str))
+    texts = (x.get("text") if isinstance(x, Mapping) else x for x in inputs)
+    chars = sum(len(t) for x in texts for t in (x if isinstance(x, tuple) else (x,)) if isinstance(t, str))
     return {
         "x-compute-type": "wde",
         "x-compute-time": ms(total),

@@ -1,0 +1,75 @@
+"""Image inputs of the HTTP routes (OpenAI/vLLM `messages` image_url parts, Cohere `images` and image_url
+content, Infinity `modality: "image"`), turned into the inputs the engine takes.
+
+A request names an image by a string: a `data:image/...;base64,...` URI, passed to the engine as it is (the engine
+checks its base64, its size and its header, and names the input in every refusal), or an http(s) URL, fetched
+only from the hosts `--allow-image-fetch` lists (wde/server/image_fetch.py) and passed as the fetched bytes. These
+are the input forms `Engine.embed` takes, so the routes work the same in one process and with `--api-servers`.
+Texts that travel next to images go to the engine as `{"text": ...}`, so a caption that happens to start with
+"data:image/" is still a text.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any, Sequence
+
+from wde.server.errors import ApiError
+
+if TYPE_CHECKING:
+    from wde.server.service import Service
+
+IMAGE_MODELS = "an image-text model such as CLIP or SigLIP (docs/images.md)"
+
+_SCHEME = re.compile(r"([a-z][a-z0-9+.-]*):", re.IGNORECASE)
+
+
+def require_images(svc: "Service", field: str, what: str) -> None:
+    """The 424 for an image sent to a model whose workflow embeds texts only (`what` says what was sent)."""
+    if not svc.takes_images:
+        raise ApiError("unsupported", f"{what}: this model embeds text only (workflow {svc.info.workflow!r}); images"
+                       f" need {IMAGE_MODELS}", field)
+
+
+def text_input(text: str) -> dict[str, str]:
+    """A text sent next to images: always a text to the engine, whatever it starts with."""
+    return {"text": text}
+
+
+async def image_inputs(svc: "Service", values: Sequence[Any], names: Sequence[str]) -> list[str | bytes]:
+    """The engine inputs of image references `values` (data: URIs as they are, allowed URLs fetched), or the
+    `ApiError` naming the first one that cannot be served."""
+    inputs: list[str | bytes | None] = []
+    urls: list[tuple[int, str, str]] = []
+    for i, (value, name) in enumerate(zip(values, names)):
+        if not isinstance(value, str):
+            raise ApiError("validation", f"{name} must be an image URL or data:image/...;base64,... URI string, got"
+                           f" {type(value).__name__}", name)
+        text = value.strip()
+        scheme = _SCHEME.match(text)
+        kind = scheme.group(1).lower() if scheme else None
+        if kind == "data":
+            media = text[5:].split(",", 1)[0].split(";", 1)[0].strip().lower()
+            if not media.startswith("image/"):
+                raise ApiError("bad_image", f"{name} is a data: URI of media type {media or 'text/plain'!r}, not an"
+                               " image: expected data:image/...;base64,...", name)
+            inputs.append(text)
+        elif kind in ("http", "https"):
+            if svc.fetcher is None:
+                raise ApiError("bad_image", f"{name} is an image URL, and this server does not fetch URLs (so a"
+                               " request cannot make it connect anywhere): send the image as a"
+                               " data:image/...;base64,... URI, or start the server with --allow-image-fetch HOSTS",
+                               name)
+            urls.append((i, text, name))
+            inputs.append(None)
+        elif kind is not None:
+            raise ApiError("bad_image", f"{name} is a {kind}: URL; an image is a data:image/...;base64,... URI"
+                           " (or an http(s) URL from a host the server fetches from)", name)
+        else:
+            raise ApiError("bad_image", f"{name} is neither a data:image/...;base64,... URI nor an image URL", name)
+    if urls:
+        assert svc.fetcher is not None
+        bodies = await svc.fetcher.fetch_all([u for _, u, _ in urls], [n for _, _, n in urls])
+        for (i, _, _), body in zip(urls, bodies):
+            inputs[i] = body
+    return inputs  # type: ignore[return-value]
