@@ -34,9 +34,9 @@ class ImagePrompt:
     """An image, checked when it was admitted (limits, format, size and mode read from its header:
     wde/components/image_input.py) but not yet decoded: like a text's tokens, its pixels are made when the scheduler
     picks it. `data` is the encoded file (bytes), a PIL image, or pixel values already preprocessed (a float32
-    numpy array [channels, height, width]); the vision tower reads it as one sequence of `num_tokens` tokens
-    (patches, plus a class token where the model has one). `pixels`: width x height (0 when already
-    preprocessed)."""
+    numpy array [channels, height, width], or [h patches, w patches, 3 x patch x patch] for SigLIP 2 NaFlex); the
+    vision tower reads it as one sequence of `num_tokens` tokens (patches, plus a class token where the model has
+    one). `pixels`: width x height (0 when already preprocessed)."""
 
     data: Any
     num_tokens: int

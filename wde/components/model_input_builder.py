@@ -29,7 +29,9 @@ class ModelInput:
     token_type_ids: torch.Tensor | None = None
     pooling_params: list[PoolingParams] = field(default_factory=list)
     pixel_values: torch.Tensor | None = None
-    """Multimodal batches only: the images' pixels [num_images, channels, height, width], in batch order."""
+    """Multimodal batches only: the images' pixels [num_images, channels, height, width] in batch order (SigLIP 2
+    NaFlex: [num_images, H, W, 3 x patch x patch], each image's grid at the top left, zero-padded, its row count
+    carried in its placeholder ids)."""
     image_mask: list[bool] | None = None
     """Multimodal batches only: whether sequence i is an image (its `input_ids` are placeholders then, and its
     pixels are row `sum(image_mask[:i])` of `pixel_values`); None: every sequence is text."""

@@ -107,7 +107,8 @@ class ImageTextRequestProcessor(LazyTokenizeRequestProcessor):
             except Exception as e:  # noqa: BLE001 - ours, not the image's: this request alone fails
                 return internal_error(r.request_id, e, "image preprocessing")
 
-        if len(requests) < 2 or self._workers < 2:
+        prepared = all(isinstance(r.prompt.data, np.ndarray) for r in requests)  # type: ignore[union-attr]
+        if len(requests) < 2 or self._workers < 2 or prepared:  # pixels sent by an API server: checks only
             return [one(r) for r in requests]
         # a pool per call: threads start in microseconds against milliseconds of decoding, and none outlive it
         with ThreadPoolExecutor(min(self._workers, len(requests)), thread_name_prefix="wde-image") as pool:
