@@ -175,3 +175,29 @@ def test_explicit_choices_override_the_timings(cache: Path, tiny_bert: Path) -> 
             model = engine.components["model"]
             assert model.linear_dtype == dtype and model.attention_dtype == dtype
             assert np.isfinite(engine.embed(["a text"])).all()
+
+
+def test_engines_starting_together_measure_once_and_agree(tmp_path: Path) -> None:
+    """wde embed --workers N starts N engines at once on a fresh host: one measures, the others read its verdict."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "measured"
+    code = f"""
+import time, torch
+from wde.components.models import cpu_kernels
+def timer(fns):
+    with open({str(log)!r}, "a") as f:
+        f.write("x\\n")
+    time.sleep(1.0)
+    return {{"low": 2.0, "float32": 1.0}}
+cands = lambda: {{"low": lambda: None, "float32": lambda: None}}
+print(cpu_kernels.decide("linear layers", [(8, 8)], torch.bfloat16, cands, timer))
+"""
+    env = {**__import__("os").environ, "WDE_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outs == ["torch.float32"] * 3
+    assert log.read_text().count("x") == 1

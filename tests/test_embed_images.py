@@ -17,11 +17,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
+from tests.test_corpus_embed import read, run
 from tests.tiny_clip import build_clip, encoded, image_of_mode
 from wde import Engine
-from wde.cli import main
 
 pq = pytest.importorskip("pyarrow.parquet")
 pa = pytest.importorskip("pyarrow")
@@ -29,18 +28,6 @@ pa = pytest.importorskip("pyarrow")
 # (mode, width, height, format): odd sizes, modes and both PNG and JPEG, so decoding and resizing are exercised
 IMAGES = [("RGB", 41, 29, "PNG"), ("RGBA", 23, 57, "PNG"), ("L", 30, 30, "JPEG"), ("RGB", 64, 48, "JPEG"),
           ("P", 37, 33, "PNG"), ("RGB", 90, 31, "JPEG")]
-
-
-def run(*args: str):
-    result = CliRunner().invoke(main, ["embed", *args])
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
-    return result
-
-
-def read(out: Path) -> tuple[list[str], np.ndarray]:
-    table = pq.read_table(out)
-    col = table.column("embedding").combine_chunks()
-    return table.column("id").to_pylist(), col.values.to_numpy().reshape(len(col), col.type.list_size)
 
 
 @pytest.fixture(scope="module")

@@ -19,15 +19,14 @@ from PIL import Image, ImageOps
 
 from tests.tiny_clip import (CAPTIONS, SIGLIP2_MAX_PATCHES, SIGLIP2_PATCH, build_siglip2, encoded, image_of_mode,
                              scene)
+from tests.test_clip_siglip import MODES, RAW, dense, reopened
 from tests.tiny_models import varied_texts
-from wde import Engine, PoolingParams, RequestError
+from wde import Engine, RequestError
 from wde.components.image_input import BAD_IMAGE, TOO_LARGE
 from wde.components.naflex import size_for_max_num_patches
 from wde.errors import ModelLoadError
 from wde.request import ImagePrompt
 
-RAW = PoolingParams(normalize=False)
-MODES = ["RGB", "RGBA", "L", "LA", "P", "P+transparency", "CMYK", "I;16", "1", "YCbCr"]
 SIZES = [(41, 29), (23, 57), (30, 30), (7, 3), (301, 13), (1, 1), (13, 301), (64, 16), (17, 90), (5, 40)]
 """Widths x heights of several aspect ratios, so the patch grids (and lengths) differ from image to image."""
 PATCH_DIM = 3 * SIGLIP2_PATCH ** 2
@@ -82,18 +81,8 @@ def ref(siglip2_path: Path) -> Reference:
     return Reference(siglip2_path)
 
 
-def dense(engine: Engine, inputs: list[Any], params: PoolingParams = RAW) -> np.ndarray:
-    return np.stack([o.outputs["dense"] for o in engine.encode(inputs, params)])
-
-
 def odd_images() -> list[Image.Image]:
     return [image_of_mode(mode, *SIZES[i % len(SIZES)], seed=i) for i, mode in enumerate(MODES)]
-
-
-def reopened(image: Image.Image) -> tuple[bytes, Image.Image]:
-    fmt = "JPEG" if image.mode == "CMYK" else "TIFF" if image.mode == "YCbCr" else "PNG"
-    data = encoded(image, fmt)
-    return data, Image.open(io.BytesIO(data))
 
 
 # -- parity with transformers ---------------------------------------------------------------------------------------

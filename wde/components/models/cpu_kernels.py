@@ -23,18 +23,21 @@ the host read it (no timing, the same numerics every start). `model.params.mixed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import platform
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from wde.components.cpu_streams import _THREAD_COUNT
 
 log = logging.getLogger("wde.models")
 
@@ -97,21 +100,44 @@ def _write_cache(key: str, value: dict[str, Any]) -> None:
 
 
 def best_times(fns: dict[str, Callable[[], object]], rounds: int = ROUNDS) -> dict[str, float]:
-    """Each function's best time over `rounds`, the functions alternated, on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for fn in fns.values():
-            fn()
-        best = {name: float("inf") for name in fns}
-        for _ in range(rounds):
-            for name, fn in fns.items():
-                t = time.perf_counter()
+    """Each function's best time over `rounds`, the functions alternated, on one thread (the process-wide thread
+    count is lowered under the lock CPU streams take for the same, so an engine serving in this process keeps its
+    count)."""
+    with _THREAD_COUNT:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for fn in fns.values():
                 fn()
-                best[name] = min(best[name], time.perf_counter() - t)
-        return best
-    finally:
-        torch.set_num_threads(threads)
+            best = {name: float("inf") for name in fns}
+            for _ in range(rounds):
+                for name, fn in fns.items():
+                    t = time.perf_counter()
+                    fn()
+                    best[name] = min(best[name], time.perf_counter() - t)
+            return best
+        finally:
+            torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _host_lock() -> Iterator[None]:
+    """An exclusive lock on the cache, across processes (best effort: none where the folder cannot be written)."""
+    try:
+        path = cache_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            import fcntl
+
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except (ImportError, OSError):
+            pass
+        yield
 
 
 Timer = Callable[[dict[str, Callable[[], object]]], dict[str, float]]
@@ -121,12 +147,13 @@ def decide(kind: str, shapes: Iterable[tuple[int, ...]], low: torch.dtype,
            candidates: Callable[[], dict[str, Callable[[], object]]], timer: Timer = best_times) -> torch.dtype:
     """float32 when the cached or measured float32 time beats the low dtype's by `MARGIN`, else `low`."""
     key = f"{host_key()}|{kind}|{str(low).removeprefix('torch.')}|{sorted(set(shapes))}"
-    cached = _read_cache().get(key)
-    if isinstance(cached, dict) and {"low", "float32"} <= cached.keys():
-        times = cached
-    else:
-        times = timer(candidates())
-        _write_cache(key, {"low": times["low"], "float32": times["float32"]})
+    with _host_lock():  # engines starting at once on a fresh host (wde embed --workers) measure once and agree
+        cached = _read_cache().get(key)
+        if isinstance(cached, dict) and {"low", "float32"} <= cached.keys():
+            times = cached
+        else:
+            times = timer(candidates())
+            _write_cache(key, {"low": times["low"], "float32": times["float32"]})
     use_float32 = times["low"] >= MARGIN * times["float32"]
     log.info("%s in %s took %.2fx the time of float32 on this CPU (%s): running them in %s", kind,
              str(low).removeprefix("torch."), times["low"] / times["float32"], cache_file(),
