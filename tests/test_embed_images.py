@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import json
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.test_corpus_embed import read, run
+from tests.test_corpus_resume import interrupt_at
 from tests.tiny_clip import build_clip, encoded, image_of_mode
 from wde import Engine
 
@@ -169,23 +169,6 @@ def test_image_only_records_need_the_image_field(tmp_path: Path, clip_path: Path
 
 
 # -- resume and workers ------------------------------------------------------------------------------------------------
-
-def interrupt_at(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
-    """Raise what SIGTERM raises under the CLI's signal guard while the `call`-th shard is being embedded."""
-    from wde.corpus.embedder import ShardEmbedder
-    from wde.corpus.signals import Interrupted
-
-    embed = ShardEmbedder.embed
-    calls = []
-
-    def embed_until(self, records):
-        calls.append(1)
-        if len(calls) == call:
-            raise Interrupted(signal.SIGTERM)
-        return embed(self, records)
-
-    monkeypatch.setattr(ShardEmbedder, "embed", embed_until)
-
 
 def test_resume_after_an_interruption_and_a_replaced_image(tmp_path: Path, clip_path: Path, corpus: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from tests.test_hostile_inputs import H, fill
 from tests.test_server import serve
 from tests.tiny_clip import CAPTIONS, build_clip, encoded, gradient, scene
 from wde import Engine
@@ -376,7 +377,6 @@ TRUNCATED = noise(40, 40)[:3000]  # the header is intact: refused when decoded, 
 OVERSIZE = noise(160, 160)
 assert len(OVERSIZE) > MAX_IMAGE_BYTES and len(TRUNCATED) == 3000
 
-H = "<hostile>"
 # hostile image (a data URI or URL) → status, words of the message
 HOSTILE: dict[str, tuple[str, int, str]] = {
     "not_an_image": (data_uri(b"this is plain text, not a picture"), 400, "not an image"),
@@ -405,16 +405,6 @@ ROUTES = [
      "inputs[1].content[0].image_url", [{"text": CAPTIONS[0]}, PNG]),
     ("/embeddings", {"input": [GOOD, H], "modality": "image"}, "input[1]", [PNG, PNG]),
 ]
-
-
-def fill(body: Any, value: Any) -> Any:
-    if body == H:
-        return value
-    if isinstance(body, dict):
-        return {k: fill(v, value) for k, v in body.items()}
-    if isinstance(body, list):
-        return [fill(v, value) for v in body]
-    return body
 
 
 @pytest.mark.parametrize("hostile", list(HOSTILE))
