@@ -454,37 +454,35 @@ def rss_kib(pid: int) -> int:
     return sum(rss_by_pid(pid).values())
 
 
+async def send_and_leave(port: int, spec: Spec, tally: Tally, rng: random.Random, half: bool) -> bool:
+    """On a connection of its own, send `spec`'s request (with `half`, its headers and only half its body), wait
+    1-50 ms and close the connection; False (the request counted lost) when it could not even be sent."""
+    side = Conn(port)
+    body = spec.body or b""
+    try:
+        await side.open()
+        assert side.writer is not None
+        head = side.head(spec.method, spec.path, body if half else spec.body)  # a hang-up always declares a length
+        side.writer.write(head + (body[:len(body) // 2] if half else body))
+        await side.writer.drain()
+        await asyncio.sleep(rng.uniform(0.001, 0.05))
+    except ConnectionError as e:
+        tally.lose(spec, f"could not even send: {e}")
+        return False
+    finally:
+        side.close()
+    return True
+
+
 async def one(conn: Conn, spec: Spec, tally: Tally, rng: random.Random, timeout: float) -> None:
     """Send `spec` and account for what comes back."""
-    if spec.kind == "abandon":
-        side = Conn(conn.port)
-        try:
-            await side.open()
-            side.send(spec.method, spec.path, spec.body)
-            await side.writer.drain()  # type: ignore[union-attr]
-            await asyncio.sleep(rng.uniform(0.001, 0.05))
-        except ConnectionError as e:
-            tally.lose(spec, f"could not even send: {e}")
-            return
-        finally:
-            side.close()
-        tally.abandoned += 1
+    if spec.kind == "abandon":  # the whole request, then gone before the answer
+        if await send_and_leave(conn.port, spec, tally, rng, half=False):
+            tally.abandoned += 1
         return
     if spec.kind == "hangup":  # headers and half the body, then gone: the server must count a 499
-        side = Conn(conn.port)
-        body = spec.body or b""
-        try:
-            await side.open()
-            assert side.writer is not None
-            side.writer.write(side.head(spec.method, spec.path, body) + body[:len(body) // 2])
-            await side.writer.drain()
-            await asyncio.sleep(rng.uniform(0.001, 0.05))
-        except ConnectionError as e:
-            tally.lose(spec, f"could not even send: {e}")
-            return
-        finally:
-            side.close()
-        tally.hung_up += 1
+        if await send_and_leave(conn.port, spec, tally, rng, half=True):
+            tally.hung_up += 1
         return
     if spec.kind == "slow":
         await slow_client(conn.port, spec, tally)
