@@ -20,6 +20,7 @@ from PIL import Image, ImageOps
 from tests.tiny_clip import (CAPTIONS, SIGLIP2_MAX_PATCHES, SIGLIP2_PATCH, build_siglip2, encoded, image_of_mode,
                              scene)
 from tests.test_clip_siglip import MODES, RAW, dense, reopened
+from tests.test_clip_siglip import Reference as ClipReference
 from tests.tiny_models import varied_texts
 from wde import Engine, RequestError
 from wde.components.image_input import BAD_IMAGE, TOO_LARGE
@@ -43,15 +44,11 @@ def siglip2(siglip2_path: Path):
         yield engine
 
 
-class Reference:
+class Reference(ClipReference):
     """transformers' Siglip2Model, tokenizer and (PIL backend) Siglip2ImageProcessor from the same folder."""
 
     def __init__(self, folder: Path) -> None:
-        from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
-
-        self.model = AutoModel.from_pretrained(folder).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.processor = AutoImageProcessor.from_pretrained(folder, backend="pil")
+        super().__init__(folder)
         assert type(self.processor).__name__ == "Siglip2ImageProcessorPil"
 
     @torch.no_grad()
