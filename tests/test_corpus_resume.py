@@ -20,28 +20,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from tests import embed_gate
-from wde.cli import main
+from tests.test_corpus_embed import read, run
 
 pq = pytest.importorskip("pyarrow.parquet")
 
 ROOT = Path(__file__).resolve().parents[1]
 MEAN = ("--set", "pooler.params.pooling=mean")
 INTERRUPTED = re.compile(r"interrupted after 1 (of 5 shards|shard \(4 rows\)); re-run with --resume")
-
-
-def run(*args: str):
-    result = CliRunner().invoke(main, ["embed", *args])
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
-    return result
-
-
-def read(out: Path) -> tuple[list[str], np.ndarray]:
-    table = pq.read_table(out)
-    col = table.column("embedding").combine_chunks()
-    return table.column("id").to_pylist(), col.values.to_numpy().reshape(len(col), col.type.list_size)
 
 
 def assert_same(out: Path, clean: Path) -> None:
