@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import ClassVar, Iterator, Mapping
+from typing import Any, ClassVar, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -46,6 +46,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def _cast_output(model: "PrefillModel", args: object, hidden: torch.Tensor) -> torch.Tensor:
     return hidden.to(model.dtype)
+
+
+def check_model_type(model: Any, ctx: BuildContext) -> None:
+    """Refuse a folder whose config `model_type` is not one of `model.model_types` (the families a class serves)."""
+    model_type = getattr(ctx.source.hf_config, "model_type", None)
+    if model_type not in model.model_types:
+        raise ModelLoadError(f"model {model.name!r} serves config model_type {', '.join(model.model_types)};"
+                             f" {ctx.source.path} is {model_type!r}")
 
 
 class PrefillModel(nn.Module, Component):

@@ -17,7 +17,7 @@ from transformers.activations import ACT2FN
 from wde.components.attention.base import AttentionBackend, AttentionMetadata
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
-from wde.components.models.base import ModelParams, PrefillModel
+from wde.components.models.base import ModelParams, PrefillModel, check_model_type
 from wde.components.models.fused import add_rms_norm
 from wde.components.models.loader import fused_linear
 from wde.components.models.rotary import STATIC_ROPE_TYPES, RotaryEmbedding, apply_rotary  # noqa: F401 (re-exported)
@@ -131,11 +131,8 @@ class DecoderModel(PrefillModel):
     layer_cls: ClassVar[type[DecoderLayer]] = DecoderLayer
 
     def __init__(self, params: ModelParams, ctx: BuildContext) -> None:
+        check_model_type(self, ctx)
         cfg = ctx.source.hf_config
-        model_type = getattr(cfg, "model_type", None)
-        if model_type not in self.model_types:
-            raise ModelLoadError(f"model {self.name!r} serves config model_type {', '.join(self.model_types)};"
-                                 f" {ctx.source.path} is {model_type!r}")
         window = sliding_window(cfg)
         if window is not None and ctx.tokenizer.max_length > window:
             raise ModelLoadError(

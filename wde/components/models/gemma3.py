@@ -34,7 +34,7 @@ from torch import nn
 from wde.components.attention.base import AttentionBackend, AttentionMetadata, Window
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
-from wde.components.models.base import ModelParams, PrefillModel
+from wde.components.models.base import ModelParams, PrefillModel, check_model_type
 from wde.components.models.config_view import ConfigView
 from wde.components.models.decoder_layers import DecoderModel, GatedMLP
 from wde.components.models.loader import fused_linear
@@ -131,11 +131,8 @@ class Gemma3TextModel(PrefillModel):
     model_types = ("gemma3_text",)
 
     def __init__(self, params: ModelParams, ctx: BuildContext) -> None:
+        check_model_type(self, ctx)
         cfg = ctx.source.hf_config
-        model_type = getattr(cfg, "model_type", None)
-        if model_type not in self.model_types:
-            raise ModelLoadError(f"model {self.name!r} serves config model_type {', '.join(self.model_types)};"
-                                 f" {ctx.source.path} is {model_type!r}")
         if getattr(cfg, "attn_logit_softcapping", None) is not None:
             raise ModelLoadError(f"the config sets attn_logit_softcapping={cfg.attn_logit_softcapping}, which no WDE"
                                  " attention backend implements (EmbeddingGemma leaves it null)")

@@ -19,7 +19,7 @@ from transformers.activations import ACT2FN
 from wde.components.attention.base import AttentionBackend, AttentionMetadata
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
-from wde.components.models.base import ModelParams, PrefillModel
+from wde.components.models.base import ModelParams, PrefillModel, check_model_type
 from wde.components.models.bert import BertEmbeddings
 from wde.components.models.decoder_layers import DecoderAttention, DecoderModel
 from wde.components.models.fused import add_layer_norm
@@ -88,11 +88,8 @@ class RotaryEncoderModel(PrefillModel):
     up_first: ClassVar[bool] = False
 
     def __init__(self, params: ModelParams, ctx: BuildContext) -> None:
+        check_model_type(self, ctx)
         cfg = ctx.source.hf_config
-        model_type = getattr(cfg, "model_type", None)
-        if model_type not in self.model_types:
-            raise ModelLoadError(f"model {self.name!r} serves config model_type {', '.join(self.model_types)};"
-                                 f" {ctx.source.path} is {model_type!r}")
         self.spec = self.read_spec(cfg, ctx.source.read_json("config.json") or {}, str(ctx.source.path / "config.json"))
         super().__init__(params, ctx)
 
