@@ -25,17 +25,30 @@ FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """x86 flags that give native bfloat16 dot products (AVX512-BF16 on Zen 4+ / Cooper Lake+, AMX on Sapphire Rapids+)."""
 
 
-def cpu_flags() -> frozenset[str]:
-    """The feature flags of the first CPU in /proc/cpuinfo (`flags`, or `Features` on ARM); empty when unreadable."""
+def _cpuinfo(*keys: str) -> str | None:
+    """The value of the first line of /proc/cpuinfo whose key is one of `keys` (the first CPU's); None when absent
+    or unreadable."""
     try:
         with open(CPUINFO_PATH, encoding="utf-8", errors="replace") as f:
             for line in f:
                 key, sep, value = line.partition(":")
-                if sep and key.strip() in ("flags", "Features"):
-                    return frozenset(value.split())
+                if sep and key.strip() in keys:
+                    return value.strip()
     except OSError:
         pass
-    return frozenset()
+    return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The feature flags of the first CPU in /proc/cpuinfo (`flags`, or `Features` on ARM); empty when unreadable."""
+    return frozenset((_cpuinfo("flags", "Features") or "").split())
+
+
+def cpu_model_name() -> str:
+    """The first CPU's model name from /proc/cpuinfo, else what `platform.processor()` says (may be empty)."""
+    import platform
+
+    return _cpuinfo("model name") or platform.processor() or ""
 
 
 def cpu_has_fast_bf16() -> bool:

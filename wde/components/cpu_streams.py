@@ -13,9 +13,10 @@ runs, and restored right after: outside `map`, the process sees the count it had
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -31,6 +32,19 @@ _THREAD_COUNT = threading.Lock()
 in one process never restore each other's count."""
 
 
+@contextlib.contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    """torch's process-wide intra-op thread count lowered to `count` for the block, under `_THREAD_COUNT`, and
+    restored after it."""
+    with _THREAD_COUNT:
+        before = torch.get_num_threads()
+        torch.set_num_threads(count)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+
 def auto_streams(threads: int) -> int:
     return max(1, min(threads, MAX_AUTO_STREAMS))
 
@@ -44,14 +58,9 @@ class CpuStreams:
 
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         """fn over items, at most `count` at once, each on `per_stream` intra-op threads; results in order."""
-        with _THREAD_COUNT:
-            before = torch.get_num_threads()
-            torch.set_num_threads(self.per_stream)
-            try:
-                futures = [self._pool.submit(self._in_stream, fn, x) for x in items]
-                return [f.result() for f in futures]
-            finally:
-                torch.set_num_threads(before)
+        with intra_op_threads(self.per_stream):
+            futures = [self._pool.submit(self._in_stream, fn, x) for x in items]
+            return [f.result() for f in futures]
 
     def _in_stream(self, fn: Callable[[T], R], item: T) -> R:
         torch.set_num_threads(self.per_stream)  # this thread's own OpenMP and MKL counts (microseconds)

@@ -27,7 +27,6 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -37,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wde.components.cpu_streams import _THREAD_COUNT
+from wde.components.cpu_streams import intra_op_threads
+from wde.device import cpu_model_name
 
 log = logging.getLogger("wde.models")
 
@@ -64,17 +64,9 @@ def cache_file() -> Path:
 
 def host_key() -> str:
     """What the verdict depends on besides the shapes: the CPU, PyTorch, and the ISA caps in force."""
-    model = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     caps = (torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
             os.environ.get("ATEN_CPU_CAPABILITY", ""))
-    return f"{model}|torch {torch.__version__}|{'/'.join(caps)}"
+    return f"{cpu_model_name()}|torch {torch.__version__}|{'/'.join(caps)}"
 
 
 def _read_cache() -> dict[str, Any]:
@@ -103,21 +95,16 @@ def best_times(fns: dict[str, Callable[[], object]], rounds: int = ROUNDS) -> di
     """Each function's best time over `rounds`, the functions alternated, on one thread (the process-wide thread
     count is lowered under the lock CPU streams take for the same, so an engine serving in this process keeps its
     count)."""
-    with _THREAD_COUNT:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            for fn in fns.values():
+    with intra_op_threads(1):
+        for fn in fns.values():
+            fn()
+        best = {name: float("inf") for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                t = time.perf_counter()
                 fn()
-            best = {name: float("inf") for name in fns}
-            for _ in range(rounds):
-                for name, fn in fns.items():
-                    t = time.perf_counter()
-                    fn()
-                    best[name] = min(best[name], time.perf_counter() - t)
-            return best
-        finally:
-            torch.set_num_threads(threads)
+                best[name] = min(best[name], time.perf_counter() - t)
+        return best
 
 
 @contextlib.contextmanager
