@@ -41,6 +41,14 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def clip_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random CLIP folder (model, tokenizer, image processor: tests/tiny_clip.py), built once a session."""
+    from tests.tiny_clip import build_clip
+
+    return build_clip(tmp_path_factory.mktemp("tiny-clip"))
+
+
+@pytest.fixture(scope="session")
 def tiny_xlmr(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_models.build_xlmr(tmp_path_factory.mktemp("tiny-xlmr"))
 

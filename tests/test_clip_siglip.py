@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from tests.tiny_clip import CAPTIONS, build_clip, build_siglip, encoded, image_of_mode, scene
+from tests.tiny_clip import CAPTIONS, build_siglip, encoded, image_of_mode, scene
 from tests.tiny_models import varied_texts
 from wde import Engine, PoolingParams, RequestError
 from wde.components.image_input import BAD_IMAGE, TOO_LARGE
@@ -30,11 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RAW = PoolingParams(normalize=False)
 MODES = ["RGB", "RGBA", "L", "LA", "P", "P+transparency", "CMYK", "I;16", "1", "YCbCr"]
 SIZES = [(41, 29), (23, 57), (30, 30), (7, 3), (301, 13), (1, 1)]
-
-
-@pytest.fixture(scope="module")
-def clip_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_clip(tmp_path_factory.mktemp("tiny-clip"))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 
 from tests.test_corpus_embed import read, run
 from tests.test_corpus_resume import interrupt_at
-from tests.tiny_clip import build_clip, encoded, image_of_mode
+from tests.tiny_clip import encoded, image_of_mode
 from wde import Engine
 
 pq = pytest.importorskip("pyarrow.parquet")
@@ -28,11 +28,6 @@ pa = pytest.importorskip("pyarrow")
 # (mode, width, height, format): odd sizes, modes and both PNG and JPEG, so decoding and resizing are exercised
 IMAGES = [("RGB", 41, 29, "PNG"), ("RGBA", 23, 57, "PNG"), ("L", 30, 30, "JPEG"), ("RGB", 64, 48, "JPEG"),
           ("P", 37, 33, "PNG"), ("RGB", 90, 31, "JPEG")]
-
-
-@pytest.fixture(scope="module")
-def clip_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_clip(tmp_path_factory.mktemp("tiny-clip"))
 
 
 @pytest.fixture(scope="module")

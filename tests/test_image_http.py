@@ -26,7 +26,7 @@ from PIL import Image
 
 from tests.test_hostile_inputs import H, fill
 from tests.test_server import serve
-from tests.tiny_clip import CAPTIONS, build_clip, encoded, gradient, scene
+from tests.tiny_clip import CAPTIONS, encoded, gradient, scene
 from wde import Engine
 from wde.server import ServerConfig
 from wde.server.config import default_payload_limit
@@ -126,11 +126,6 @@ class ImageSite:
         self.release.set()
         self.server.shutdown()
         self.server.server_close()
-
-
-@pytest.fixture(scope="module")
-def clip_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_clip(tmp_path_factory.mktemp("tiny-clip"))
 
 
 @pytest.fixture(scope="module")

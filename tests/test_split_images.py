@@ -23,7 +23,7 @@ import pytest
 import zmq
 
 from tests.test_server import serve_split
-from tests.tiny_clip import CAPTIONS, build_clip, encoded, image_of_mode
+from tests.tiny_clip import CAPTIONS, encoded, image_of_mode
 from wde import Engine, PoolingParams, RequestError
 from wde.components.image_input import BAD_IMAGE
 from wde.core import wire
@@ -64,11 +64,6 @@ class Core:
         self.core.stopping = True
         self.thread.join(30)
         self.engine.close()
-
-
-@pytest.fixture(scope="module")
-def clip_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_clip(tmp_path_factory.mktemp("tiny-clip"))
 
 
 @pytest.fixture(scope="module")
