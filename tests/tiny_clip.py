@@ -63,6 +63,20 @@ def _jitter(model: torch.nn.Module, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
+def _save(folder: Path, model_cls: type, cfg: object, jitter_seed: int, tokenizer: object | None,
+          preprocessor: dict) -> Path:
+    """`model_cls(cfg)` from seed 0 with jittered norms and biases, saved to `folder` with the tokenizer (when not
+    saved already) and `preprocessor` as preprocessor_config.json."""
+    torch.manual_seed(0)
+    model = model_cls(cfg).eval()
+    _jitter(model, jitter_seed)
+    model.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    return folder
+
+
 def build_clip(folder: Path, *, eos_token_id: int | None = None, text_hidden: int = 32, vision_hidden: int = 32,
                act: str = "quick_gelu") -> Path:
     from transformers import CLIPConfig, CLIPModel
@@ -77,17 +91,11 @@ def build_clip(folder: Path, *, eos_token_id: int | None = None, text_hidden: in
                            num_attention_heads=4, image_size=30, patch_size=6, hidden_act=act),
         projection_dim=24)
     cfg.architectures = ["CLIPModel"]
-    torch.manual_seed(0)
-    model = CLIPModel(cfg).eval()
-    _jitter(model, 1)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps({
+    return _save(folder, CLIPModel, cfg, 1, tok, {
         "image_processor_type": "CLIPImageProcessor", "do_resize": True, "size": {"shortest_edge": 30},
         "resample": 3, "do_center_crop": True, "crop_size": {"height": 30, "width": 30}, "do_rescale": True,
         "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True}))
-    return folder
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True})
 
 
 def build_siglip(folder: Path) -> Path:
@@ -101,16 +109,10 @@ def build_siglip(folder: Path) -> Path:
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                            image_size=30, patch_size=6))
     cfg.architectures = ["SiglipModel"]
-    torch.manual_seed(0)
-    model = SiglipModel(cfg).eval()
-    _jitter(model, 2)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps({
+    return _save(folder, SiglipModel, cfg, 2, tok, {
         "image_processor_type": "SiglipImageProcessor", "do_resize": True, "size": {"height": 30, "width": 30},
         "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}))
-    return folder
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True})
 
 
 SIGLIP2_PATCH, SIGLIP2_MAX_PATCHES = 4, 24
@@ -132,15 +134,10 @@ def build_siglip2(folder: Path, *, padding_side: str = "right", max_num_patches:
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                            num_patches=16, patch_size=SIGLIP2_PATCH))
     cfg.architectures = ["Siglip2Model"]
-    torch.manual_seed(0)
-    model = Siglip2Model(cfg).eval()
-    _jitter(model, 3)
-    model.save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps({
+    return _save(folder, Siglip2Model, cfg, 3, None, {
         "image_processor_type": "Siglip2ImageProcessor", "do_resize": True, "patch_size": SIGLIP2_PATCH,
         "max_num_patches": max_num_patches, "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255,
-        "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}))
-    return folder
+        "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True})
 
 
 # -- images --------------------------------------------------------------------------------------------------------
