@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from wde.components.attention.base import AttentionBackend, AttentionParams
 from wde.components.model_input_builder import ModelInput
 from wde.request import PoolingParams
 
@@ -16,3 +17,11 @@ def packed_batch(lens: list[int], input_ids: torch.Tensor | None = None, token_t
     positions = torch.cat([torch.arange(n) for n in lens])
     ids = torch.zeros(sum(lens), dtype=torch.long) if input_ids is None else input_ids
     return ModelInput(ids, positions, cu, list(lens), max(lens), token_type_ids, pooling_params or [])
+
+
+def bare_backend(cls: type[AttentionBackend]) -> AttentionBackend:
+    """An attention backend of class `cls` with default params, built without a model folder (its `__init__` reads
+    the model's config)."""
+    backend = cls.__new__(cls)
+    backend.params = AttentionParams()
+    return backend

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.batches import packed_batch
+from tests.batches import bare_backend, packed_batch
 from tests.tiny_models import build_bert
 from wde import Engine
-from wde.components.attention.base import AttentionBackend, AttentionParams
+from wde.components.attention.base import AttentionBackend
 from wde.components.attention.torch_sdpa import TorchSDPABackend
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.bert import BertEmbeddings, BertModel
@@ -26,12 +26,6 @@ LENS = [5, 1, 17, 9, 3]
 
 def _batch(lens: list[int], device: str = "cpu") -> ModelInput:
     return packed_batch(lens).to(device)
-
-
-def _backend(cls: type[AttentionBackend]) -> AttentionBackend:
-    backend = cls.__new__(cls)
-    backend.params = AttentionParams()
-    return backend
 
 
 def _inputs(lens: list[int], hq: int, hkv: int, d: int = 16, device: str = "cpu"):
@@ -66,7 +60,7 @@ def _bias(per_seq: bool, heads: int, length: int, device: str = "cpu") -> torch.
 def test_sdpa_bias_matches_per_sequence(lens: list[int], per_seq: bool, causal: bool) -> None:
     q, k, v = _inputs(lens, 4, 2)
     bias = _bias(per_seq, 4, max(lens) + 3)
-    backend = _backend(TorchSDPABackend)
+    backend = bare_backend(TorchSDPABackend)
     meta = backend.build_metadata(_batch(lens), causal, bias=bias)
     out = backend.forward(q, k, v, meta, 1.0)
     torch.testing.assert_close(out, _reference(q, k, v, lens, causal, 1.0, bias), atol=1e-5, rtol=1e-5)
@@ -105,7 +99,7 @@ def test_triton_kernel_bias_half_precision_and_strided() -> None:
 ])
 def test_bad_bias_is_refused(bias: torch.Tensor, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        _backend(TorchSDPABackend).build_metadata(_batch(LENS), False, bias=bias)
+        bare_backend(TorchSDPABackend).build_metadata(_batch(LENS), False, bias=bias)
 
 
 def test_wrong_head_count_is_refused_by_both_backends() -> None:
@@ -113,7 +107,7 @@ def test_wrong_head_count_is_refused_by_both_backends() -> None:
 
     q, k, v = _inputs(LENS, 4, 4)
     bias = torch.zeros(3, 17, 17)
-    backend = _backend(TorchSDPABackend)
+    backend = bare_backend(TorchSDPABackend)
     with pytest.raises(ValueError, match="3 heads, the queries have 4"):
         backend.forward(q, k, v, backend.build_metadata(_batch(LENS), False, bias=bias), 1.0)
     with pytest.raises(ValueError, match="bias must be"):
@@ -127,8 +121,8 @@ def test_backend_without_bias_support_refuses_one() -> None:
 
     assert AttentionBackend.supports_bias is False and TorchSDPABackend.supports_bias is True
     with pytest.raises(ValueError, match="'plain' does not support an attention bias"):
-        _backend(Plain).build_metadata(_batch(LENS), False, bias=torch.zeros(4, 17, 17))
-    assert _backend(Plain).build_metadata(_batch(LENS), False).bias is None
+        bare_backend(Plain).build_metadata(_batch(LENS), False, bias=torch.zeros(4, 17, 17))
+    assert bare_backend(Plain).build_metadata(_batch(LENS), False).bias is None
 
 
 def test_rename_matches_whole_name_parts_in_order() -> None:

@@ -4,29 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from tests.batches import packed_batch
-from wde.components.attention.base import AttentionParams
+from tests.batches import bare_backend, packed_batch
+from tests.test_attention_window import reference
 from wde.components.attention.torch_sdpa import TorchSDPABackend, plan_groups
-
-
-def _backend() -> TorchSDPABackend:
-    backend = TorchSDPABackend.__new__(TorchSDPABackend)
-    backend.params = AttentionParams()
-    return backend
-
-
-def _reference(q, k, v, lens, causal, scale):
-    out, start = [], 0
-    rep = q.shape[1] // k.shape[1]
-    for n in lens:
-        qs = q[start:start + n].transpose(0, 1)
-        ks = k[start:start + n].transpose(0, 1).repeat_interleave(rep, 0)
-        vs = v[start:start + n].transpose(0, 1).repeat_interleave(rep, 0)
-        out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale).transpose(0, 1))
-        start += n
-    return torch.cat(out)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -36,9 +17,9 @@ def test_varlen_matches_per_sequence(causal: bool, lens: list[int], kv_heads: in
     torch.manual_seed(0)
     t = sum(lens)
     q, k, v = torch.randn(t, 4, 16), torch.randn(t, kv_heads, 16), torch.randn(t, kv_heads, 16)
-    backend = _backend()
+    backend = bare_backend(TorchSDPABackend)
     out = backend.forward(q, k, v, backend.build_metadata(packed_batch(lens), causal), 0.25)
-    torch.testing.assert_close(out, _reference(q, k, v, lens, causal, 0.25), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, reference(q, k, v, lens, None, causal, 0.25), atol=1e-5, rtol=1e-5)
 
 
 def test_groups_bound_padding() -> None:

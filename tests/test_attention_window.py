@@ -8,17 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.batches import packed_batch
+from tests.batches import bare_backend, packed_batch
 from wde.components.attention import cpu_varlen
-from wde.components.attention.base import AttentionParams, check_window, window_keys
+from wde.components.attention.base import check_window, window_keys
 from wde.components.attention.cpu_varlen import CpuVarlenBackend
 from wde.components.attention.torch_sdpa import TorchSDPABackend
-
-
-def _backend(cls: type) -> object:
-    backend = cls.__new__(cls)
-    backend.params = AttentionParams()
-    return backend
 
 
 def reference(q, k, v, lens, window, causal, scale):
@@ -50,7 +44,7 @@ def test_window_matches_per_sequence_mask(backend_cls: type, causal: bool, lens:
     torch.manual_seed(len(lens) + window[0])
     t = sum(lens)
     q, k, v = torch.randn(t, 4, 16), torch.randn(t, kv_heads, 16), torch.randn(t, kv_heads, 16)
-    backend = _backend(backend_cls)
+    backend = bare_backend(backend_cls)
     meta = backend.build_metadata(packed_batch(lens), causal, window=window)
     assert meta.window == window
     out = backend.forward(q, k, v, meta, 0.25)
@@ -68,7 +62,7 @@ def test_cpu_varlen_computes_only_the_window(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(cpu_varlen.F, "scaled_dot_product_attention", spy)
     lens, window = [2000, 700], (32, 32)
-    backend = _backend(CpuVarlenBackend)
+    backend = bare_backend(CpuVarlenBackend)
     t = sum(lens)
     q = k = v = torch.randn(t, 2, 8)
     backend.forward(q, k, v, backend.build_metadata(packed_batch(lens), False, window=window), 0.3)
@@ -81,7 +75,7 @@ def test_a_window_covering_every_sequence_is_plain_attention() -> None:
     torch.manual_seed(0)
     q = k = v = torch.randn(sum(lens), 2, 8)
     for cls in (TorchSDPABackend, CpuVarlenBackend):
-        backend = _backend(cls)
+        backend = bare_backend(cls)
         windowed = backend.forward(q, k, v, backend.build_metadata(packed_batch(lens), False, window=(29, 29)), 0.3)
         plain = backend.forward(q, k, v, backend.build_metadata(packed_batch(lens), False), 0.3)
         torch.testing.assert_close(windowed, plain)
@@ -99,7 +93,7 @@ def test_a_backend_without_windows_refuses_one() -> None:
     class NoWindow(AttentionBackend):
         name = "no_window"
 
-    backend = _backend(NoWindow)
+    backend = bare_backend(NoWindow)
     with pytest.raises(ValueError, match="does not support local"):
         backend.build_metadata(packed_batch([5]), False, window=(1, 1))
 

@@ -10,25 +10,18 @@ import pytest
 import torch
 
 from tests import tiny_decoders
-from tests.batches import packed_batch
-from tests.test_attention_sdpa import _reference
+from tests.batches import bare_backend, packed_batch
+from tests.test_attention_window import reference
 from tests.test_decoders import Reference
 from tests.test_parity_tiny import reference_states
 from tests.tiny_models import varied_texts
 from wde import Engine, PoolingParams
 from wde.components.attention.auto import AutoBackend
-from wde.components.attention.base import AttentionParams
 from wde.components.attention.cpu_varlen import MIN_MEAN_LEN, CpuVarlenBackend, plan_runs, prefer_varlen
 from wde.components.attention.torch_sdpa import TorchSDPABackend
 
 TOL = 1e-5
 TEXTS = varied_texts(24, seed=11) + ["x", "a b", "HELLO, World!!"]
-
-
-def _bare(cls: type) -> object:
-    backend = cls.__new__(cls)
-    backend.params = AttentionParams()
-    return backend
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -39,12 +32,12 @@ def test_matches_torch_sdpa_and_per_sequence_attention(causal: bool, lens: list[
     t = sum(lens)
     qkv = torch.randn(t, 4 + 2 * kv_heads, 16)  # q/k/v as strided views of one projection, as the models make them
     q, k, v = qkv.split([4, kv_heads, kv_heads], dim=1)
-    varlen, sdpa = _bare(CpuVarlenBackend), _bare(TorchSDPABackend)
+    varlen, sdpa = bare_backend(CpuVarlenBackend), bare_backend(TorchSDPABackend)
     out = varlen.forward(q, k, v, varlen.build_metadata(packed_batch(lens), causal), 0.25)
     assert out.shape == q.shape
     torch.testing.assert_close(out, sdpa.forward(q, k, v, sdpa.build_metadata(packed_batch(lens), causal), 0.25),
                                atol=TOL, rtol=TOL)
-    torch.testing.assert_close(out, _reference(q, k, v, lens, causal, 0.25), atol=TOL, rtol=TOL)
+    torch.testing.assert_close(out, reference(q, k, v, lens, None, causal, 0.25), atol=TOL, rtol=TOL)
 
 
 def test_adjacent_equal_lengths_share_one_call() -> None:
@@ -53,7 +46,7 @@ def test_adjacent_equal_lengths_share_one_call() -> None:
 
 
 def test_a_bias_is_refused_with_a_clear_error() -> None:
-    backend = _bare(CpuVarlenBackend)
+    backend = bare_backend(CpuVarlenBackend)
     with pytest.raises(ValueError, match="cpu_varlen.*bias.*torch_sdpa"):
         backend.build_metadata(packed_batch([3, 2]), False, torch.zeros(4, 3, 3))
 
