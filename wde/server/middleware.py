@@ -157,7 +157,6 @@ class PayloadLimitMiddleware:
             await send_error(send, scope, error, [(b"accept-encoding", b"gzip")])
             return
         received = 0
-        started = False
 
         async def limited_receive() -> dict:
             nonlocal received
@@ -171,19 +170,28 @@ class PayloadLimitMiddleware:
                     message = {**message, "body": gzip.feed(body, last=not message.get("more_body", False))}
             return message
 
-        async def tracking_send(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = TrackedSend(send)
         try:
-            await self.app(scope, limited_receive, tracking_send)
+            await self.app(scope, limited_receive, tracked)
         except _TooLarge as e:
-            if not started:
+            if not tracked.started:
                 await send_error(send, scope, self._error(e.decoded))
         except _BadBody as e:
-            if not started:
+            if not tracked.started:
                 await send_error(send, scope, e.error)
+
+
+class TrackedSend:
+    """An ASGI `send` that remembers whether the response has started: a middleware that fails the request after
+    the app began answering must not send a second response."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+
+    async def __call__(self, message: dict) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
 
 
 JSON_TYPE = "application/json"

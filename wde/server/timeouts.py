@@ -38,7 +38,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from wde.server.errors import TEI_PATHS, ApiError, error_body, request_id
-from wde.server.middleware import ASGIApp, Receive, Scope, Send, send_error
+from wde.server.middleware import ASGIApp, Receive, Scope, Send, TrackedSend, send_error
 
 if TYPE_CHECKING:
     from wde.server.config import ServerConfig
@@ -195,7 +195,6 @@ class BodyTimeoutMiddleware:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         body_done = False
-        started = False
 
         async def timed_receive() -> dict:
             nonlocal body_done
@@ -208,17 +207,13 @@ class BodyTimeoutMiddleware:
             body_done = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
-        async def tracking_send(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = TrackedSend(send)
         try:
-            await self.app(scope, timed_receive, tracking_send)
+            await self.app(scope, timed_receive, tracked)
         except BodyTimeout:
             log.info("%s %s (request id %s): %s; answered 408 and closed the connection", scope.get("method"),
                      scope.get("path"), scope.get("state", {}).get("request_id", "-"), body_message(self.timeout))
-            if not started:
+            if not tracked.started:
                 scope.setdefault("state", {})[LINGER] = True  # the client may still be sending: let it read the 408
                 await send_error(send, scope, ApiError("client_timeout", body_message(self.timeout)),
                                  [(b"connection", b"close")])
