@@ -125,14 +125,8 @@ class ImagePreprocessor:
             resample = int(resample if resample is not None else 2)
         except (TypeError, ValueError):
             raise ModelLoadError(f"{where}: resample {resample!r} is not a Pillow resampling filter") from None
-        mean, std = getattr(proc, "image_mean", None), getattr(proc, "image_std", None)
-        do_normalize = bool(getattr(proc, "do_normalize", False))
-        if do_normalize and (not _three(mean) or not _three(std)):
-            raise ModelLoadError(f"{where}: image_mean and image_std must have one value per RGB channel")
         pre = cls(name, bool(getattr(proc, "do_resize", False)), tuple(sorted(size.items())), resample,
-                  crop is not None, (crop["height"], crop["width"]) if crop else None,
-                  bool(getattr(proc, "do_rescale", False)), float(getattr(proc, "rescale_factor", 1 / 255)),
-                  do_normalize, tuple(float(x) for x in mean or ()), tuple(float(x) for x in std or ()))
+                  crop is not None, (crop["height"], crop["width"]) if crop else None, *value_steps(proc, where))
         if pre.output_size is None:
             raise ModelLoadError(f"{where}: its images come out in sizes that depend on the input (resize to"
                                  " shortest_edge without a center crop); the model needs one size")
@@ -180,6 +174,17 @@ class ImagePreprocessor:
         pixels = rescale_normalize(pixels, self.rescale_factor if self.do_rescale else None,
                                    (self.image_mean, self.image_std) if self.do_normalize else None)
         return np.ascontiguousarray(pixels, dtype=np.float32)
+
+
+def value_steps(proc: Any, where: Any) -> tuple[bool, float, bool, tuple[float, ...], tuple[float, ...]]:
+    """An image processor's `do_rescale`, `rescale_factor`, `do_normalize`, `image_mean`, `image_std` (as
+    `rescale_normalize` takes them); a mean or std without one value per RGB channel is refused."""
+    mean, std = getattr(proc, "image_mean", None), getattr(proc, "image_std", None)
+    do_normalize = bool(getattr(proc, "do_normalize", False))
+    if do_normalize and (not _three(mean) or not _three(std)):
+        raise ModelLoadError(f"{where}: image_mean and image_std must have one value per RGB channel")
+    return (bool(getattr(proc, "do_rescale", False)), float(getattr(proc, "rescale_factor", 1 / 255)), do_normalize,
+            tuple(float(x) for x in mean or ()), tuple(float(x) for x in std or ()))
 
 
 def rescale_normalize(pixels: np.ndarray, rescale_factor: float | None,

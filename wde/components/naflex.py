@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from wde.components.image_input import _three, rescale_normalize, to_rgb
+from wde.components.image_input import rescale_normalize, to_rgb, value_steps
 from wde.errors import ModelLoadError
 
 NAFLEX_PROCESSORS = ("Siglip2ImageProcessor",)
@@ -79,13 +79,7 @@ class NaFlexPreprocessor:
             raise ModelLoadError(f"{where}: patch_size, max_num_patches and resample must be integers ({e})") from None
         if patch < 1 or most < 1:
             raise ModelLoadError(f"{where}: patch_size {patch} and max_num_patches {most} must be positive")
-        mean, std = getattr(proc, "image_mean", None), getattr(proc, "image_std", None)
-        do_normalize = bool(getattr(proc, "do_normalize", False))
-        if do_normalize and (not _three(mean) or not _three(std)):
-            raise ModelLoadError(f"{where}: image_mean and image_std must have one value per RGB channel")
-        return cls(name, patch, most, resample, bool(getattr(proc, "do_rescale", False)),
-                   float(getattr(proc, "rescale_factor", 1 / 255)), do_normalize,
-                   tuple(float(x) for x in mean or ()), tuple(float(x) for x in std or ()))
+        return cls(name, patch, most, resample, *value_steps(proc, where))
 
     @property
     def patch_dim(self) -> int:
