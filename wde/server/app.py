@@ -23,6 +23,7 @@ from wde.engine import Engine
 from wde.server import cohere_routes, openai_routes, rerank_routes, score_routes, tei_routes
 from wde.server.config import ServerConfig
 from wde.server.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
+from wde.server.heap import frozen_heap
 from wde.server.metrics import ServerMetrics
 from wde.server.middleware import (ApiKeyMiddleware, JsonContentTypeMiddleware, MetricsMiddleware, OriginMiddleware,
                                    PayloadLimitMiddleware, RequestIdMiddleware)
@@ -147,7 +148,8 @@ def _serve(config: ServerConfig, sockets: list[socket.socket]) -> None:
         previous = (signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
                     if _main_thread() else None)
         try:
-            server.run(sockets=sockets)
+            with frozen_heap():
+                server.run(sockets=sockets)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)

@@ -30,6 +30,7 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 from wde.core.engine_core import EXIT_GAVE_UP
+from wde.server.heap import frozen_heap
 from wde.server.startup import StartupError
 
 if TYPE_CHECKING:
@@ -242,7 +243,8 @@ def _core_main(config: ServerConfig, address: str, ready: Connection) -> None:
         _stop_on_launcher_signal(core, launcher)
         ready.send(("ready", EngineInfo.of(engine)))
         ready.close()
-        code = core.run()
+        with frozen_heap():
+            code = core.run()
     raise SystemExit(code)
 
 
@@ -286,5 +288,6 @@ def _api_main(config: ServerConfig, info: EngineInfo, address: str, index: int,
     signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     if told:
         raise SystemExit(0)
-    server.run(sockets=listeners)
+    with frozen_heap():
+        server.run(sockets=listeners)
     raise SystemExit(EXIT_GAVE_UP if client.error is not None else 0)
