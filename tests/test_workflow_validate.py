@@ -258,3 +258,17 @@ def test_cli_validate_text_errors_and_overrides(tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert "error --set scheduler.params.max_num_requests=-2: scheduler.params.max_num_requests:" in result.output
     assert "0 valid, 1 invalid" in result.output
+
+
+def test_a_registered_name_wins_over_a_folder_of_that_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "bert").mkdir()  # e.g. a model folder named like the workflow, in the working directory
+    monkeypatch.chdir(tmp_path)
+    assert load_workflow("bert").name == "bert"
+    (tmp_path / "notaworkflow").mkdir()
+    with pytest.raises(WorkflowError) as info:
+        load_workflow("notaworkflow")
+    assert "'notaworkflow' is a folder, not a workflow file" in str(info.value)
+    assert "unknown workflow 'notaworkflow'" in str(info.value)
+    with pytest.raises(WorkflowError) as info:
+        load_workflow(str(tmp_path / "bert"))
+    assert "is a folder, not a workflow file" in str(info.value)

@@ -336,14 +336,16 @@ def find_workflow_file(workflow: str | Path, registry: Registry | None = None) -
     """A path on disk, or the file of a registered workflow name."""
     registry = registry or get_registry()
     path = Path(workflow)
-    if path.exists():
+    if path.is_file():
         return path
+    folder = " is a folder, not a workflow file (a .yaml file or a registered workflow name)" if path.is_dir() else ""
     if isinstance(workflow, str) and not workflow.endswith((".yaml", ".yml")) and "/" not in workflow:
-        try:
+        try:  # a registered name wins over a folder of that name in the working directory (`-w clip` beside ./clip)
             return registry.workflow_path(workflow)
         except RegistryError as e:
-            raise WorkflowError([Issue(Location(workflow), "", str(e))]) from None
-    raise WorkflowError([Issue(Location(str(workflow)), "", "workflow file does not exist")])
+            raise WorkflowError([Issue(Location(workflow), "", f"{workflow!r}{folder}; {e}" if folder else str(e))]) \
+                from None
+    raise WorkflowError([Issue(Location(str(workflow)), "", folder.strip() or "workflow file does not exist")])
 
 
 def load_workflow(
