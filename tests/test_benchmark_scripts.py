@@ -27,3 +27,23 @@ def test_throughput_runs_with_a_variant() -> None:
     agreements = re.findall(r"^agreement of (\S+) .* max abs diff (\S+)$", text, re.MULTILINE)
     assert [name for name, _ in agreements] == ["wde", "wde[runner.params.cpu_streams=1]"], text
     assert all(float(diff) <= 1e-4 for _, diff in agreements), text
+
+
+def test_peers_runs_offline_and_serving_with_the_isa_cap() -> None:
+    """`benchmarks/peers.py` (issue 27's comparison) end to end with the peers this venv has: WDE and
+    sentence-transformers offline, WDE serving, every engine capped to AVX2; the vLLM and OpenVINO engines need
+    their own venvs (docs/benchmarks.md) and are not run here."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--engines", "wde,st", "--dtype", "float32",
+         "--rounds", "1", "--short", "24", "--long", "6", "--serve", "--clients", "4", "--requests", "40",
+         "--isa", "avx2"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    text = out.stdout
+    assert "engines capped to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2" in text, text
+    assert re.search(r"workload: 24 short texts \(\d+ tokens\), 6 long \(\d+ tokens\)", text), text
+    rows = dict(re.findall(r"^(wde|st) +[\d,]+ \(.*\) +[\d,]+ \(.*\) +(\S+)  \S+$", text, re.MULTILINE))
+    assert set(rows) == {"wde", "st"}, text
+    assert float(rows["wde"]) >= 0.9999 and float(rows["st"]) >= 0.9999  # min cosine to sentence-transformers fp32
+    assert re.search(r"^wde +[\d.]+ req/s  p50 +[\d.]+ ms  p99 +[\d.]+ ms  errors 0", text, re.MULTILINE), text
+    assert re.search(r"^WDE / st: offline short [\d.]+x, long [\d.]+x$", text, re.MULTILINE), text
