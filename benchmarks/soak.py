@@ -572,8 +572,9 @@ async def slow_client(port: int, spec: Spec, tally: Tally) -> None:
     tally.slow.setdefault(spec.name, []).append(took)
 
 
-async def trickle(writer: asyncio.StreamWriter, data: bytes, every: float) -> None:
-    """Send `data` every `every` seconds until the connection is closed."""
+async def trickle(writer: asyncio.StreamWriter, data: bytes, every: float = 0.25) -> None:
+    """Send `data` (a header line, a body byte) every `every` seconds until the connection is closed (the slow
+    clients here and in tests/test_deadlines.py)."""
     try:
         while not writer.is_closing():
             await asyncio.sleep(every)

@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -36,6 +37,9 @@ from tests.test_server import free_port, metric, serve_split, wait_healthy
 from tests.test_split_server import _core_pid
 from wde import Engine
 from wde.server import ServerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from soak import trickle  # noqa: E402 - benchmarks/ is not a package; its slow-client helper
 
 REQUEST_TIMEOUT_S = 8.0
 """Long enough for a burst of requests to be admitted (and hung up) on a busy 2-core machine before it passes."""
@@ -257,17 +261,6 @@ def parse(raw: bytes) -> tuple[int, dict[str, str], bytes]:
             body = body[int(size, 16) + 2:]
         body = b"".join(chunks)
     return int(lines[0].split()[1]), headers, body
-
-
-async def trickle(writer: asyncio.StreamWriter, data: bytes, every: float = 0.25) -> None:
-    """Keep sending `data` (a header line, a body byte) until the server closes the connection."""
-    try:
-        while not writer.is_closing():
-            await asyncio.sleep(every)
-            writer.write(data)
-            await writer.drain()
-    except (ConnectionError, OSError):
-        pass
 
 
 def statuses(url: str, status: int) -> float:
