@@ -10,6 +10,7 @@ status 1, one line on stderr, no traceback.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -230,6 +231,27 @@ def test_a_malformed_config_json_is_refused(tmp_path: Path, minilm_path: Path, c
     (folder / "config.json").write_text(config, encoding="utf-8")
     message = refused(folder)
     assert str(folder / "config.json") in message and expected in message
+
+
+@pytest.mark.parametrize("workflow, architecture, model, served", [
+    ("mpnet", "MPNetModel", "mpnet", "'mpnet'"),
+    ("deberta_v2", "DebertaV2Model", "deberta_v2", "'deberta-v2'"),
+    ("distilbert", "DistilBertModel", "distilbert", "'distilbert'"),
+    ("modernbert", "ModernBertModel", "modernbert", "'modernbert'"),
+    ("nomic_bert", "NomicBertModel", "nomic_bert", "'nomic_bert'"),
+    ("decoder_features", "LlamaModel", "llama", "'llama' or 'mistral'"),
+    ("embeddinggemma", "Gemma3TextModel", "gemma3", "'gemma3_text'"),
+])
+def test_a_config_of_another_model_type_is_refused_in_the_same_words(tmp_path: Path, minilm_path: Path,
+                                                                      workflow: str, architecture: str, model: str,
+                                                                      served: str) -> None:
+    """A folder whose `architectures` name the family but whose config is another model_type (here BERT's) is
+    refused by every model class with one message, before anything reads the config."""
+    folder = minilm_copy(minilm_path, tmp_path / "mislabelled", skip=("config.json",))
+    config = json.loads((minilm_path / "config.json").read_text(encoding="utf-8"))
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": [architecture]}), encoding="utf-8")
+    message = refused(folder, workflow=workflow)
+    assert f"model {model!r} serves config model_type {served}; {folder} is 'bert'" in message, message
 
 
 @pytest.mark.parametrize("side_file", ["sentence_bert_config.json", "modules.json", "1_Pooling/config.json"])

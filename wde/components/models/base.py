@@ -52,8 +52,9 @@ def check_model_type(model: Any, ctx: BuildContext) -> None:
     """Refuse a folder whose config `model_type` is not one of `model.model_types` (the families a class serves)."""
     model_type = getattr(ctx.source.hf_config, "model_type", None)
     if model_type not in model.model_types:
-        raise ModelLoadError(f"model {model.name!r} serves config model_type {', '.join(model.model_types)};"
-                             f" {ctx.source.path} is {model_type!r}")
+        served = " or ".join(repr(t) for t in model.model_types)
+        raise ModelLoadError(f"model {model.name!r} serves config model_type {served}; {ctx.source.path} is"
+                             f" {model_type!r}")
 
 
 class PrefillModel(nn.Module, Component):
@@ -66,7 +67,8 @@ class PrefillModel(nn.Module, Component):
     attention mask the family uses when neither the workflow nor the config says otherwise.
     `uses_attention_bias` says the model passes an additive bias to its attention backend, so the model refuses
     to build with a backend that lacks `supports_bias`; `uses_attention_window` likewise for local attention
-    windows and `supports_window`.
+    windows and `supports_window`. `model_types`, when set, are the config `model_type`s the class serves: any
+    other folder is refused by name before anything reads its config.
 
     Set before `build` runs: `config` (the Hugging Face config), `device`, `dtype`, `causal`, `attn_backend`,
     `mixed_precision` (then everything but the `nn.Linear` layers is moved to float32 before loading).
@@ -81,10 +83,13 @@ class PrefillModel(nn.Module, Component):
     uses_attention_bias: ClassVar[bool] = False
     uses_attention_window: ClassVar[bool] = False
     pools: ClassVar[bool] = False
+    model_types: ClassVar[tuple[str, ...]] = ()
     """True for a model whose `forward` returns one pooled embedding per sequence ([num_seqs, dim]) instead of token
     states, with its width as `embedding_size` (two-tower CLIP / SigLIP; the `projected` pooler takes it)."""
 
     def __init__(self, params: ModelParams, ctx: BuildContext) -> None:
+        if self.model_types:
+            check_model_type(self, ctx)
         nn.Module.__init__(self)
         self.params = params
         self.config = ctx.source.hf_config

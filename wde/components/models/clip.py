@@ -182,12 +182,9 @@ class ClipModel(PrefillModel):
     """The text tower's mask (CLIP's is causal); the vision tower always attends both ways."""
     pools = True
     """`forward` returns pooled, projected embeddings [num_seqs, dim] (for the `projected` pooler), not token states."""
-    model_type = "clip"
+    model_types = ("clip",)
 
     def build(self, cfg: object) -> None:
-        if getattr(cfg, "model_type", None) != self.model_type:
-            raise ModelLoadError(f"model {self.name!r} serves config model_type {self.model_type!r}, not"
-                                 f" {getattr(cfg, 'model_type', None)!r}")
         text, vision = cfg.text_config, cfg.vision_config
         for part, c in (("text_config", text), ("vision_config", vision)):
             if c.hidden_size % c.num_attention_heads:
@@ -291,7 +288,7 @@ class SiglipModel(ClipModel):
 
     name = "siglip"
     default_causal = False
-    model_type = "siglip"
+    model_types = ("siglip",)
 
     def build_towers(self, cfg: object) -> None:
         text, vision = cfg.text_config, cfg.vision_config

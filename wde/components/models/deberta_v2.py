@@ -344,6 +344,7 @@ class DebertaV2Model(BertModel):
     """DeBERTa-v2 / v3: disentangled attention with a per-layer, per-sequence bias; post-norm BERT blocks."""
 
     name = "deberta_v2"
+    model_types = ("deberta-v2",)
     uses_attention_bias = True
     checkpoint_prefixes = ("deberta.",)  # DebertaV2For* checkpoints; a bare DebertaV2Model has none
     checkpoint_name_mapping = {
@@ -357,9 +358,6 @@ class DebertaV2Model(BertModel):
     }
 
     def build(self, cfg: object) -> None:
-        model_type = getattr(cfg, "model_type", None)
-        if model_type != "deberta-v2":
-            raise ModelLoadError(f"model 'deberta_v2' serves config model_type 'deberta-v2', got {model_type!r}")
         heads = int(cfg.num_attention_heads)
         head_dim = int(getattr(cfg, "attention_head_size", None) or cfg.hidden_size // heads)
         if cfg.hidden_size % heads or heads * head_dim != cfg.hidden_size:

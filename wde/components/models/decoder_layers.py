@@ -127,7 +127,6 @@ class DecoderModel(PrefillModel):
         "mlp.up_proj": ("mlp.gate_up_proj", 1),
     }
     default_causal = True
-    model_types: ClassVar[tuple[str, ...]] = ()
     layer_cls: ClassVar[type[DecoderLayer]] = DecoderLayer
 
     def __init__(self, params: ModelParams, ctx: BuildContext) -> None:

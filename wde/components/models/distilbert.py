@@ -35,6 +35,7 @@ class DistilBertModel(BertModel):
     """DistilBERT: BERT's layers under DistilBERT's checkpoint names, no token type embeddings."""
 
     name = "distilbert"
+    model_types = ("distilbert",)
     checkpoint_prefixes = ("distilbert.",)  # DistilBertFor* checkpoints; a bare DistilBertModel has none
     checkpoint_name_mapping = {
         "transformer.layer": "encoder.layer",
@@ -51,9 +52,6 @@ class DistilBertModel(BertModel):
     }
 
     def build(self, cfg: object) -> None:
-        model_type = getattr(cfg, "model_type", None)
-        if model_type != "distilbert":
-            raise ModelLoadError(f"model 'distilbert' serves config model_type 'distilbert', got {model_type!r}")
         if cfg.dim % cfg.n_heads:
             raise ModelLoadError(f"DistilBERT config: n_heads {cfg.n_heads} does not divide dim {cfg.dim}")
         super().build(bert_view(cfg))

@@ -74,6 +74,7 @@ class ModernBertModel(BertModel):
     """ModernBertModel (and the encoder of ModernBertForSequenceClassification / ForMaskedLM)."""
 
     name = "modernbert"
+    model_types = ("modernbert",)
     checkpoint_prefixes = ("model.",)
     checkpoint_name_mapping = {"layers": "encoder.layer", "attn.Wqkv": "attn.qkv", "attn.Wo": "attn.output.dense",
                                "final_norm": "norm"}
@@ -81,8 +82,6 @@ class ModernBertModel(BertModel):
     uses_attention_window = True
 
     def build(self, cfg: object) -> None:
-        if getattr(cfg, "model_type", None) != "modernbert":
-            raise ModelLoadError(f"model 'modernbert' serves config model_type modernbert, not {cfg.model_type!r}")
         kinds = list(cfg.layer_types)
         unknown = sorted(set(kinds) - set(LAYER_KINDS))
         if unknown or len(kinds) != cfg.num_hidden_layers:

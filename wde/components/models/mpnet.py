@@ -26,6 +26,7 @@ class MPNetModel(BertModel):
     """MPNet: BERT's layers, RoBERTa's positions, no token types, one relative position bias for all layers."""
 
     name = "mpnet"
+    model_types = ("mpnet",)
     uses_attention_bias = True
     checkpoint_prefixes = ("mpnet.",)  # MPNetFor* checkpoints; a bare MPNetModel (sentence-transformers) has none
     checkpoint_name_mapping = {
@@ -44,9 +45,6 @@ class MPNetModel(BertModel):
     bias_max_distance = 128
 
     def build(self, cfg: object) -> None:
-        model_type = getattr(cfg, "model_type", None)
-        if model_type != "mpnet":
-            raise ModelLoadError(f"model 'mpnet' serves config model_type 'mpnet', got {model_type!r}")
         rows = int(getattr(cfg, "relative_attention_num_buckets", self.bias_buckets))
         if rows < self.bias_buckets:
             raise ModelLoadError(

@@ -82,7 +82,6 @@ class RotaryEncoderModel(PrefillModel):
     `RotaryEmbedding`), refusing what is not implemented.
     """
 
-    model_types: ClassVar[tuple[str, ...]] = ()
     biases: ClassVar[dict[str, bool]] = {}
     """`qkv_bias`, `o_bias`, `gate_up_bias`, `down_bias` of every layer."""
     up_first: ClassVar[bool] = False

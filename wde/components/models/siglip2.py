@@ -74,7 +74,7 @@ class Siglip2Model(SiglipModel):
     """Siglip2Model (NaFlex): SigLIP's towers, the vision tower's embeddings replaced by `NaFlexEmbeddings`."""
 
     name = "siglip2"
-    model_type = "siglip2"
+    model_types = ("siglip2",)
 
     def check_vision(self, vision: object) -> None:
         patches = int(getattr(vision, "num_patches", 0) or 0)
