@@ -1,4 +1,4 @@
-"""Keep Python's cyclic garbage collector off the serving path: `freeze_heap()` once start-up is done.
+"""Keep Python's cyclic garbage collector off the serving path: serve inside `frozen_heap()` once start-up is done.
 
 A served process holds a few hundred thousand long-lived container objects (torch, transformers, FastAPI,
 pydantic, the model's modules), and every request allocates dicts and lists. Each time those allocations trigger

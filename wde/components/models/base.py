@@ -83,9 +83,10 @@ class PrefillModel(nn.Module, Component):
     uses_attention_bias: ClassVar[bool] = False
     uses_attention_window: ClassVar[bool] = False
     pools: ClassVar[bool] = False
-    model_types: ClassVar[tuple[str, ...]] = ()
     """True for a model whose `forward` returns one pooled embedding per sequence ([num_seqs, dim]) instead of token
     states, with its width as `embedding_size` (two-tower CLIP / SigLIP; the `projected` pooler takes it)."""
+    model_types: ClassVar[tuple[str, ...]] = ()
+    """Config `model_type`s this class serves (checked first, by `check_model_type`); empty: not checked."""
 
     def __init__(self, params: ModelParams, ctx: BuildContext) -> None:
         if self.model_types:
