@@ -95,11 +95,7 @@ class ImagePreprocessor:
     resample: int
     do_center_crop: bool
     crop_size: tuple[int, int] | None
-    do_rescale: bool
-    rescale_factor: float
-    do_normalize: bool
-    image_mean: tuple[float, ...]
-    image_std: tuple[float, ...]
+    values: ValueSteps
 
     @classmethod
     def from_source(cls, source: Any) -> "ImagePreprocessor":
@@ -126,7 +122,7 @@ class ImagePreprocessor:
         except (TypeError, ValueError):
             raise ModelLoadError(f"{where}: resample {resample!r} is not a Pillow resampling filter") from None
         pre = cls(name, bool(getattr(proc, "do_resize", False)), tuple(sorted(size.items())), resample,
-                  crop is not None, (crop["height"], crop["width"]) if crop else None, *value_steps(proc, where))
+                  crop is not None, (crop["height"], crop["width"]) if crop else None, ValueSteps.from_processor(proc, where))
         if pre.output_size is None:
             raise ModelLoadError(f"{where}: its images come out in sizes that depend on the input (resize to"
                                  " shortest_edge without a center crop); the model needs one size")
@@ -171,20 +167,33 @@ class ImagePreprocessor:
         pixels = np.asarray(image).transpose(2, 0, 1)  # [C, H, W] uint8
         if self.crop_size is not None:
             pixels = center_crop(pixels, self.crop_size)
-        pixels = rescale_normalize(pixels, self.rescale_factor if self.do_rescale else None,
-                                   (self.image_mean, self.image_std) if self.do_normalize else None)
-        return np.ascontiguousarray(pixels, dtype=np.float32)
+        return np.ascontiguousarray(self.values(pixels), dtype=np.float32)
 
 
-def value_steps(proc: Any, where: Any) -> tuple[bool, float, bool, tuple[float, ...], tuple[float, ...]]:
-    """An image processor's `do_rescale`, `rescale_factor`, `do_normalize`, `image_mean`, `image_std` (as
-    `rescale_normalize` takes them); a mean or std without one value per RGB channel is refused."""
-    mean, std = getattr(proc, "image_mean", None), getattr(proc, "image_std", None)
-    do_normalize = bool(getattr(proc, "do_normalize", False))
-    if do_normalize and (not _three(mean) or not _three(std)):
-        raise ModelLoadError(f"{where}: image_mean and image_std must have one value per RGB channel")
-    return (bool(getattr(proc, "do_rescale", False)), float(getattr(proc, "rescale_factor", 1 / 255)), do_normalize,
-            tuple(float(x) for x in mean or ()), tuple(float(x) for x in std or ()))
+@dataclass(frozen=True)
+class ValueSteps:
+    """The value steps every image pipeline ends with: an image processor's `do_rescale`, `rescale_factor`,
+    `do_normalize`, `image_mean` and `image_std`; `__call__` applies them to a [C, H, W] array."""
+
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+
+    @classmethod
+    def from_processor(cls, proc: Any, where: Any) -> "ValueSteps":
+        """`proc`'s settings; a mean or std without one value per RGB channel is refused."""
+        mean, std = getattr(proc, "image_mean", None), getattr(proc, "image_std", None)
+        do_normalize = bool(getattr(proc, "do_normalize", False))
+        if do_normalize and (not _three(mean) or not _three(std)):
+            raise ModelLoadError(f"{where}: image_mean and image_std must have one value per RGB channel")
+        return cls(bool(getattr(proc, "do_rescale", False)), float(getattr(proc, "rescale_factor", 1 / 255)),
+                   do_normalize, tuple(float(x) for x in mean or ()), tuple(float(x) for x in std or ()))
+
+    def __call__(self, pixels: np.ndarray) -> np.ndarray:
+        return rescale_normalize(pixels, self.rescale_factor if self.do_rescale else None,
+                                 (self.image_mean, self.image_std) if self.do_normalize else None)
 
 
 def rescale_normalize(pixels: np.ndarray, rescale_factor: float | None,

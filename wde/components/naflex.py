@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from wde.components.image_input import rescale_normalize, to_rgb, value_steps
+from wde.components.image_input import ValueSteps, to_rgb
 from wde.errors import ModelLoadError
 
 NAFLEX_PROCESSORS = ("Siglip2ImageProcessor",)
@@ -60,11 +60,7 @@ class NaFlexPreprocessor:
     patch_size: int
     max_num_patches: int
     resample: int
-    do_rescale: bool
-    rescale_factor: float
-    do_normalize: bool
-    image_mean: tuple[float, ...]
-    image_std: tuple[float, ...]
+    values: ValueSteps
 
     @classmethod
     def from_processor(cls, name: str, proc: Any, where: Any) -> "NaFlexPreprocessor":
@@ -79,7 +75,7 @@ class NaFlexPreprocessor:
             raise ModelLoadError(f"{where}: patch_size, max_num_patches and resample must be integers ({e})") from None
         if patch < 1 or most < 1:
             raise ModelLoadError(f"{where}: patch_size {patch} and max_num_patches {most} must be positive")
-        return cls(name, patch, most, resample, *value_steps(proc, where))
+        return cls(name, patch, most, resample, ValueSteps.from_processor(proc, where))
 
     @property
     def patch_dim(self) -> int:
@@ -105,9 +101,7 @@ class NaFlexPreprocessor:
         height, width = self.resized_size(image.height, image.width)
         image = image.resize((width, height), resample=self.resample)
         pixels = np.asarray(image).transpose(2, 0, 1)  # [C, H, W] uint8
-        pixels = rescale_normalize(pixels, self.rescale_factor if self.do_rescale else None,
-                                   (self.image_mean, self.image_std) if self.do_normalize else None)
-        return patchify(pixels, self.patch_size)
+        return patchify(self.values(pixels), self.patch_size)
 
 
 def patchify(pixels: np.ndarray, patch_size: int) -> np.ndarray:
