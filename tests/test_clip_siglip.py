@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 
-from tests.tiny_clip import CAPTIONS, build_siglip, encoded, image_of_mode, scene
+from tests.tiny_clip import CAPTIONS, build_siglip, encoded, exif_rotated_jpeg, image_of_mode, scene
 from tests.tiny_models import varied_texts
 from wde import Engine, PoolingParams, RequestError
 from wde.components.image_input import BAD_IMAGE, TOO_LARGE
@@ -209,12 +209,7 @@ def test_legacy_preprocessor_config_reads_as_transformers_reads_it(clip_path: Pa
 
 
 def test_exif_orientation_is_applied_as_load_image_does(clip: Engine, clip_ref: Reference) -> None:
-    image = image_of_mode("RGB", 41, 29)
-    exif = Image.Exif()
-    exif[0x0112] = 6  # rotate 90° clockwise to view
-    data = encoded(image, "JPEG", exif=exif.tobytes())
-    upright = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
-    assert upright.size == (29, 41)
+    data, upright = exif_rotated_jpeg(41, 29)
     got = clip.input_processor.preprocess(clip.input_processor.image_prompt(data, "input"))
     assert np.abs(got - clip_ref.pixels([upright])[0]).max() <= 1e-6
 

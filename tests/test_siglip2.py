@@ -6,7 +6,6 @@ from its header alone, and prepared patch arrays and misfit folders are refused 
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 from pathlib import Path
@@ -15,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 
-from tests.tiny_clip import (CAPTIONS, SIGLIP2_MAX_PATCHES, SIGLIP2_PATCH, build_siglip2, encoded, image_of_mode,
-                             scene)
+from tests.tiny_clip import (CAPTIONS, SIGLIP2_MAX_PATCHES, SIGLIP2_PATCH, build_siglip2, exif_rotated_jpeg,
+                             image_of_mode, scene)
 from tests.test_clip_siglip import MODES, RAW, dense, reopened
 from tests.test_clip_siglip import Reference as ClipReference
 from tests.tiny_models import varied_texts
@@ -172,12 +171,7 @@ def test_grid_search_is_transformers_and_symmetric() -> None:
 
 
 def test_exif_rotation_transposes_the_grid_and_keeps_the_length(siglip2: Engine, ref: Reference) -> None:
-    image = image_of_mode("RGB", 64, 16)
-    exif = Image.Exif()
-    exif[0x0112] = 6  # rotate 90° clockwise to view
-    data = encoded(image, "JPEG", exif=exif.tobytes())
-    upright = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
-    assert upright.size == (16, 64)
+    data, upright = exif_rotated_jpeg(64, 16)
     prompt = siglip2.input_processor.image_prompt(data, "input")
     pixels = siglip2.input_processor.preprocess(prompt)
     want = ref.patches(upright)

@@ -182,6 +182,19 @@ def encoded(image, fmt: str = "PNG", **kwargs) -> bytes:
     return buf.getvalue()
 
 
+def exif_rotated_jpeg(width: int, height: int):
+    """(JPEG bytes of a width x height picture whose EXIF orientation says "rotate 90° clockwise to view", the
+    picture as viewed: height x width, what transformers' `load_image` gives)."""
+    from PIL import Image, ImageOps
+
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    data = encoded(image_of_mode("RGB", width, height), "JPEG", exif=exif.tobytes())
+    upright = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
+    assert upright.size == (height, width)
+    return data, upright
+
+
 def scene(kind: int, size: int = 37):
     """Three easily told apart pictures for the search example: a red square, a blue disc, green stripes."""
     from PIL import Image, ImageDraw
