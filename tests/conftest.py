@@ -49,6 +49,16 @@ def clip_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def clip(clip_path: Path):
+    """An engine on the tiny CLIP folder, the workflow picked from its architectures (CLIPModel); shared by the
+    image tests."""
+    from wde import Engine
+
+    with Engine.from_workflow(None, clip_path) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
 def tiny_xlmr(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_models.build_xlmr(tmp_path_factory.mktemp("tiny-xlmr"))
 

@@ -38,12 +38,6 @@ def siglip_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def clip(clip_path: Path):
-    with Engine.from_workflow(None, clip_path) as engine:  # picked from architectures: CLIPModel
-        yield engine
-
-
-@pytest.fixture(scope="module")
 def siglip(siglip_path: Path):
     with Engine.from_workflow(None, siglip_path) as engine:
         yield engine

@@ -31,12 +31,6 @@ IMAGES = [("RGB", 41, 29, "PNG"), ("RGBA", 23, 57, "PNG"), ("L", 30, 30, "JPEG")
 
 
 @pytest.fixture(scope="module")
-def clip(clip_path: Path):
-    with Engine.from_workflow(None, clip_path) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with `imgs/0.png`, `imgs/1.png`, `imgs/2.jpg`, …: the images of `IMAGES`."""
     root = tmp_path_factory.mktemp("corpus")

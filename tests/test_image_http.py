@@ -129,12 +129,6 @@ class ImageSite:
 
 
 @pytest.fixture(scope="module")
-def offline(clip_path: Path) -> Iterator[Engine]:
-    with Engine.from_workflow(None, clip_path) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
 def site() -> Iterator[ImageSite]:
     running = ImageSite()
     yield running
@@ -207,49 +201,49 @@ def error(r: httpx.Response) -> tuple[str, str | None, str]:
 
 # -- the routes, against Engine.embed and transformers ---------------------------------------------------------------
 
-def test_messages_image_and_text(url: str, offline: Engine, reference: Callable) -> None:
+def test_messages_image_and_text(url: str, clip: Engine, reference: Callable) -> None:
     image = vectors(post(url, "/v1/embeddings", {"model": MODEL, "messages": image_message(GOOD)}))
-    assert close(image, offline.embed([PNG])) and close(image, reference([PNG]), 1e-4)
+    assert close(image, clip.embed([PNG])) and close(image, reference([PNG]), 1e-4)
     jpeg = vectors(post(url, "/v1/embeddings", {"messages": image_message(data_uri(JPEG, "image/jpeg"))}))
-    assert close(jpeg, offline.embed([JPEG])) and close(jpeg, reference([JPEG]), 1e-4)
+    assert close(jpeg, clip.embed([JPEG])) and close(jpeg, reference([JPEG]), 1e-4)
     parts = {"role": "user", "content": [{"type": "text", "text": CAPTIONS[0]}]}
     plain = {"role": "user", "content": CAPTIONS[0]}
     for message in (parts, plain):
         text = vectors(post(url, "/v1/embeddings", {"messages": [message]}))
-        assert close(text, offline.embed([CAPTIONS[0]]))
+        assert close(text, clip.embed([CAPTIONS[0]]))
     # a caption that starts like a data URI is still a text where the body says text
     odd = "data:image/png;base64, is how a picture is inlined"
     assert close(vectors(post(url, "/v1/embeddings", {"messages": [{"role": "user", "content": odd}]})),
-                 offline.embed([{"text": odd}]))
+                 clip.embed([{"text": odd}]))
     b64 = post(url, "/v1/embeddings", {"messages": image_message(GOOD), "encoding_format": "base64"}).json()
     assert close(np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), "<f4")[None], image)
     assert b64["usage"]["prompt_tokens"] == 26  # (30 / 6)^2 patches + the class token
 
 
-def test_infinity_modality_image(url: str, offline: Engine) -> None:
+def test_infinity_modality_image(url: str, clip: Engine) -> None:
     uris = [data_uri(p) for p in PICTURES]
     got = vectors(post(url, "/embeddings", {"input": uris, "modality": "image"}))
-    assert close(got, offline.embed(PICTURES))
+    assert close(got, clip.embed(PICTURES))
     one = vectors(post(url, "/embeddings", {"input": uris[1], "modality": "image", "dimensions": 8}))
-    assert close(one, offline.embed([PICTURES[1]], dimensions=8))
+    assert close(one, clip.embed([PICTURES[1]], dimensions=8))
     text = vectors(post(url, "/embeddings", {"input": CAPTIONS, "modality": "text"}))
-    assert close(text, offline.embed(CAPTIONS))
+    assert close(text, clip.embed(CAPTIONS))
 
 
-def test_cohere_images_and_inputs(url: str, offline: Engine) -> None:
+def test_cohere_images_and_inputs(url: str, clip: Engine) -> None:
     uris = [data_uri(p) for p in PICTURES]
     r = post(url, "/v2/embed", {"model": MODEL, "images": uris, "input_type": "image", "embedding_types": ["float"]})
-    assert close(vectors(r), offline.embed(PICTURES))
+    assert close(vectors(r), clip.embed(PICTURES))
     assert r.json()["meta"]["billed_units"]["images"] == 3 and r.json()["texts"] == []
     mixed = {"inputs": [{"content": [{"type": "image_url", "image_url": {"url": uris[2]}}]},
                         {"content": [{"type": "text", "text": CAPTIONS[1]}]},
                         {"content": [{"type": "image_url", "image_url": {"url": uris[0]}}]}]}
     r = post(url, "/v2/embed", mixed)
-    assert close(vectors(r), offline.embed([PICTURES[2], CAPTIONS[1], PICTURES[0]]))
+    assert close(vectors(r), clip.embed([PICTURES[2], CAPTIONS[1], PICTURES[0]]))
     assert r.json()["texts"] == [CAPTIONS[1]]
 
 
-def test_openai_client(url: str, offline: Engine) -> None:
+def test_openai_client(url: str, clip: Engine) -> None:
     import openai
     from openai.types import CreateEmbeddingResponse
 
@@ -257,36 +251,36 @@ def test_openai_client(url: str, offline: Engine) -> None:
     # vLLM's documented way to send its chat-style body with the openai client
     chat = client.post("/embeddings", cast_to=CreateEmbeddingResponse,
                        body={"model": MODEL, "messages": image_message(GOOD), "encoding_format": "float"})
-    assert close([chat.data[0].embedding], offline.embed([PNG]))
+    assert close([chat.data[0].embedding], clip.embed([PNG]))
     # Infinity's way: images in `input`, modality in extra_body (the client asks for base64 by default)
     batch = client.embeddings.create(model=MODEL, input=[data_uri(p) for p in PICTURES],
                                      extra_body={"modality": "image"})
-    assert close([d.embedding for d in batch.data], offline.embed(PICTURES))
+    assert close([d.embedding for d in batch.data], clip.embed(PICTURES))
 
 
-def test_cohere_client(url: str, offline: Engine) -> None:
+def test_cohere_client(url: str, clip: Engine) -> None:
     import cohere
     from cohere import EmbedImageUrl, EmbedInput, ImageUrlEmbedContent, TextEmbedContent
 
     co = cohere.ClientV2(api_key="unused", base_url=url, timeout=60)
     uris = [data_uri(p) for p in PICTURES[:2]]
     images = co.embed(model=MODEL, images=uris, input_type="image", embedding_types=["float", "int8"])
-    assert close(images.embeddings.float_, offline.embed(PICTURES[:2]))
+    assert close(images.embeddings.float_, clip.embed(PICTURES[:2]))
     assert np.array(images.embeddings.int8).shape == (2, 24)
     inputs = co.embed(model=MODEL, input_type="search_document", embedding_types=["float"], inputs=[
         EmbedInput(content=[ImageUrlEmbedContent(image_url=EmbedImageUrl(url=uris[1]))]),
         EmbedInput(content=[TextEmbedContent(text=CAPTIONS[2])])])
-    assert close(inputs.embeddings.float_, offline.embed([PICTURES[1], CAPTIONS[2]]))
+    assert close(inputs.embeddings.float_, clip.embed([PICTURES[1], CAPTIONS[2]]))
 
 
-def test_infinity_client(url: str, offline: Engine) -> None:
+def test_infinity_client(url: str, clip: Engine) -> None:
     from infinity_client import Client
     from infinity_client.api.default import embeddings
     from infinity_client.models import OpenAIEmbeddingInputImage
 
     with Client(base_url=url, raise_on_unexpected_status=True, timeout=60) as client:
         result = embeddings.sync(client=client, body=OpenAIEmbeddingInputImage(input_=[data_uri(p) for p in PICTURES]))
-    assert close([d.embedding for d in result.data], offline.embed(PICTURES))
+    assert close([d.embedding for d in result.data], clip.embed(PICTURES))
 
 
 # -- what a two-tower model cannot embed, refused by name -----------------------------------------------------------
@@ -405,21 +399,21 @@ ROUTES = [
 @pytest.mark.parametrize("hostile", list(HOSTILE))
 @pytest.mark.parametrize(("path", "template", "field", "good"), ROUTES, ids=[f"{p}:{f}" for p, _, f, _ in ROUTES])
 def test_hostile_image_is_refused_by_name_and_the_next_request_succeeds(
-        url: str, offline: Engine, path: str, template: dict, field: str, good: list, hostile: str) -> None:
+        url: str, clip: Engine, path: str, template: dict, field: str, good: list, hostile: str) -> None:
     value, status, needle = HOSTILE[hostile]
     r = post(url, path, fill(template, value))
     message, param, _ = error(r)
     assert r.status_code == status and needle in message, r.text
     assert param == field and message.startswith(field), (message, param)
     after = post(url, path, fill(template, GOOD))
-    assert close(vectors(after), offline.embed(good))
+    assert close(vectors(after), clip.embed(good))
     assert httpx.get(f"{url}/health").status_code == 200
 
 
-def test_hostile_images_cost_no_other_request(url: str, offline: Engine) -> None:
+def test_hostile_images_cost_no_other_request(url: str, clip: Engine) -> None:
     """Truncated images (refused only when decoded, inside a batch) sent at once with good ones: every good
     request gets its own right vector."""
-    want = offline.embed(PICTURES)
+    want = clip.embed(PICTURES)
 
     def good(i: int) -> np.ndarray:
         return vectors(post(url, "/v2/embed", {"images": [data_uri(PICTURES[i % 3])]}))[0]
@@ -456,21 +450,21 @@ def test_fuzzed_images_are_never_a_server_error(url: str, payload: bytes, media:
         assert error(r)[1] == "images[0]"
 
 
-def test_after_the_fuzz_the_server_serves(url: str, offline: Engine) -> None:
-    assert close(vectors(post(url, "/v1/embeddings", {"messages": image_message(GOOD)})), offline.embed([PNG]))
+def test_after_the_fuzz_the_server_serves(url: str, clip: Engine) -> None:
+    assert close(vectors(post(url, "/v1/embeddings", {"messages": image_message(GOOD)})), clip.embed([PNG]))
 
 
 # -- image URLs: --allow-image-fetch -----------------------------------------------------------------------------------
 
-def test_allowed_host_is_fetched(fetching: str, site: ImageSite, offline: Engine, reference: Callable) -> None:
+def test_allowed_host_is_fetched(fetching: str, site: ImageSite, clip: Engine, reference: Callable) -> None:
     got = vectors(post(fetching, "/v1/embeddings", {"messages": image_message(site.url("/cat.png"))}))
-    assert close(got, offline.embed([PNG])) and close(got, reference([PNG]), 1e-4)
+    assert close(got, clip.embed([PNG])) and close(got, reference([PNG]), 1e-4)
     batch = vectors(post(fetching, "/embeddings", {"input": [site.url("/photo.jpg"), GOOD, site.url("/to-cat")],
                                                     "modality": "image"}))
-    assert close(batch, offline.embed([JPEG, PNG, PNG]))  # a redirect within the allowed host is followed
+    assert close(batch, clip.embed([JPEG, PNG, PNG]))  # a redirect within the allowed host is followed
     cohere = vectors(post(fetching, "/v2/embed", {"inputs": [{"content": [
         {"type": "image_url", "image_url": {"url": site.url("/cat.png")}}]}]}))
-    assert close(cohere, offline.embed([PNG]))
+    assert close(cohere, clip.embed([PNG]))
 
 
 @pytest.mark.parametrize(("target", "status", "needle", "connections"), [
@@ -484,7 +478,7 @@ def test_allowed_host_is_fetched(fetching: str, site: ImageSite, offline: Engine
     ("/missing.png", 400, "404", 1),
     ("/slow.png", 400, "longer than 3 s", 1),
 ])
-def test_fetch_refusals(fetching: str, site: ImageSite, offline: Engine, target: str, status: int, needle: str,
+def test_fetch_refusals(fetching: str, site: ImageSite, clip: Engine, target: str, status: int, needle: str,
                         connections: int) -> None:
     path, _, host = target.partition("@")
     link = site.url(path, host or "127.0.0.1")
@@ -494,7 +488,7 @@ def test_fetch_refusals(fetching: str, site: ImageSite, offline: Engine, target:
     assert r.status_code == status and needle in message and param == "images[1]", r.text
     assert len(site.requests) - before == connections, site.requests[before:]
     assert all(h.startswith("127.0.0.1") for _, h in site.requests[before:])  # only the allowed host was asked
-    assert close(vectors(post(fetching, "/v2/embed", {"images": [GOOD]})), offline.embed([PNG]))
+    assert close(vectors(post(fetching, "/v2/embed", {"images": [GOOD]})), clip.embed([PNG]))
 
 
 def test_url_refused_without_fetching_by_default(url: str, site: ImageSite) -> None:

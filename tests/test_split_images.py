@@ -67,12 +67,6 @@ class Core:
 
 
 @pytest.fixture(scope="module")
-def clip(clip_path: Path) -> Iterator[Engine]:
-    with Engine.from_workflow(None, clip_path) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
 def core(clip_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Core]:
     served = Core(clip_path, f"ipc://{tmp_path_factory.mktemp('core')}/core.sock")
     yield served
