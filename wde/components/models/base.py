@@ -91,6 +91,7 @@ class PrefillModel(nn.Module, Component):
     def __init__(self, params: ModelParams, ctx: BuildContext) -> None:
         if self.model_types:
             check_model_type(self, ctx)
+        self.read_config(ctx)
         nn.Module.__init__(self)
         self.params = params
         self.config = ctx.source.hf_config
@@ -142,6 +143,10 @@ class PrefillModel(nn.Module, Component):
         if self.linear_backend == "onednn":
             scheduler = ctx.components.get("scheduler")
             pack_linears(self, int(getattr(scheduler, "token_budget", 2048)))
+
+    def read_config(self, ctx: BuildContext) -> None:
+        """First thing `__init__` runs after the `model_types` check, before anything is built: a subclass refuses
+        config settings it does not implement, or reads what it needs before `build` (nothing here)."""
 
     def _mixed_attention_dtype(self, params: ModelParams) -> torch.dtype:
         """The dtype attention runs in under mixed precision: the low dtype or float32 (cpu_kernels.py), timed at

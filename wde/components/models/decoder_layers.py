@@ -17,7 +17,7 @@ from transformers.activations import ACT2FN
 from wde.components.attention.base import AttentionBackend, AttentionMetadata
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
-from wde.components.models.base import ModelParams, PrefillModel, check_model_type
+from wde.components.models.base import PrefillModel
 from wde.components.models.fused import add_rms_norm
 from wde.components.models.loader import fused_linear
 from wde.components.models.rotary import STATIC_ROPE_TYPES, RotaryEmbedding, apply_rotary  # noqa: F401 (re-exported)
@@ -129,16 +129,13 @@ class DecoderModel(PrefillModel):
     default_causal = True
     layer_cls: ClassVar[type[DecoderLayer]] = DecoderLayer
 
-    def __init__(self, params: ModelParams, ctx: BuildContext) -> None:
-        check_model_type(self, ctx)
-        cfg = ctx.source.hf_config
-        window = sliding_window(cfg)
+    def read_config(self, ctx: BuildContext) -> None:
+        window = sliding_window(ctx.source.hf_config)
         if window is not None and ctx.tokenizer.max_length > window:
             raise ModelLoadError(
                 f"the config uses sliding-window attention (window {window} tokens), which WDE does not implement,"
                 f" and inputs of up to {ctx.tokenizer.max_length} tokens are allowed; set"
                 f" tokenizer.params.max_length <= {window} so every input fits in the window")
-        super().__init__(params, ctx)
 
     def attention_biases(self, cfg: object) -> tuple[bool, bool]:
         """Whether the q/k/v projection and the output projection have biases."""

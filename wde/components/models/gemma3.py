@@ -34,7 +34,7 @@ from torch import nn
 from wde.components.attention.base import AttentionBackend, AttentionMetadata, Window
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
-from wde.components.models.base import ModelParams, PrefillModel, check_model_type
+from wde.components.models.base import PrefillModel
 from wde.components.models.config_view import ConfigView
 from wde.components.models.decoder_layers import DecoderModel, GatedMLP
 from wde.components.models.loader import fused_linear
@@ -130,15 +130,13 @@ class Gemma3TextModel(PrefillModel):
     uses_attention_window = True
     model_types = ("gemma3_text",)
 
-    def __init__(self, params: ModelParams, ctx: BuildContext) -> None:
-        check_model_type(self, ctx)
+    def read_config(self, ctx: BuildContext) -> None:
         cfg = ctx.source.hf_config
         if getattr(cfg, "attn_logit_softcapping", None) is not None:
             raise ModelLoadError(f"the config sets attn_logit_softcapping={cfg.attn_logit_softcapping}, which no WDE"
                                  " attention backend implements (EmbeddingGemma leaves it null)")
         # the family default, before PrefillModel resolves the mask (workflow param > config > this)
         self.default_causal = not bool(getattr(cfg, "use_bidirectional_attention", False))
-        super().__init__(params, ctx)
 
     def build(self, cfg: object) -> None:
         kinds = list(getattr(cfg, "layer_types", None) or [])

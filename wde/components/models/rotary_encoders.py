@@ -19,7 +19,7 @@ from transformers.activations import ACT2FN
 from wde.components.attention.base import AttentionBackend, AttentionMetadata
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
-from wde.components.models.base import ModelParams, PrefillModel, check_model_type
+from wde.components.models.base import PrefillModel
 from wde.components.models.bert import BertEmbeddings
 from wde.components.models.decoder_layers import DecoderAttention, DecoderModel
 from wde.components.models.fused import add_layer_norm
@@ -86,11 +86,9 @@ class RotaryEncoderModel(PrefillModel):
     """`qkv_bias`, `o_bias`, `gate_up_bias`, `down_bias` of every layer."""
     up_first: ClassVar[bool] = False
 
-    def __init__(self, params: ModelParams, ctx: BuildContext) -> None:
-        check_model_type(self, ctx)
-        cfg = ctx.source.hf_config
-        self.spec = self.read_spec(cfg, ctx.source.read_json("config.json") or {}, str(ctx.source.path / "config.json"))
-        super().__init__(params, ctx)
+    def read_config(self, ctx: BuildContext) -> None:
+        self.spec = self.read_spec(ctx.source.hf_config, ctx.source.read_json("config.json") or {},
+                                   str(ctx.source.path / "config.json"))
 
     def read_spec(self, cfg: Any, raw: dict, where: str) -> SimpleNamespace:
         raise NotImplementedError
