@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from wde.server.errors import ApiError
-from wde.server.image_inputs import IMAGE_MODELS, image_inputs, require_images, text_input
+from wde.server.image_inputs import IMAGE_MODELS, check_one_part, image_inputs, require_images, text_input
 from wde.server.protocol import ChatEmbeddingRequest, ImagePart, TextPart
 
 if TYPE_CHECKING:
@@ -48,21 +48,13 @@ async def chat_input(svc: "Service", body: ChatEmbeddingRequest) -> tuple[Any, s
         _texts_need_chat(svc)
         return text_input(content), where
     images = [i for i, p in enumerate(content) if isinstance(p, ImagePart)]
-    texts = [i for i, p in enumerate(content) if isinstance(p, TextPart)]
     if images:
         require_images(svc, f"{where}[{images[0]}].image_url", f"{where}[{images[0]}] is an image_url part")
     else:
         _texts_need_chat(svc)
     if not content:
         raise ApiError("empty", f"{where} is empty: send one text or one image_url part", where)
-    if images and texts:
-        raise ApiError("validation", f"{where} mixes {len(images)} image_url and {len(texts)} text part(s): CLIP and"
-                       " SigLIP embed a text and an image separately (two towers, one vector each), never together;"
-                       " send them as separate inputs", where)
-    if len(content) > 1:
-        kind = "image_url" if images else "text"
-        raise ApiError("validation", f"{where} has {len(content)} {kind} parts; one message is one vector: send one"
-                       f" part ({BATCH_HINT})", where)
+    check_one_part(where, len(images), len(content), f"one message is one vector: send one part ({BATCH_HINT})")
     part = content[0]
     if isinstance(part, TextPart):
         return text_input(part.text), f"{where}[0].text"

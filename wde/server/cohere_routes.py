@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 
 from wde.request import PoolingParams
 from wde.server.errors import ApiError
-from wde.server.image_inputs import image_inputs, require_images, text_input
+from wde.server.image_inputs import check_one_part, image_inputs, require_images, text_input
 from wde.server.protocol import CohereEmbedRequest, CohereImage, body_schema, parse, read_json
 from wde.server.quantize import quantize_rows, to_base64
 from wde.server.responses import JSONResponse
@@ -87,14 +87,7 @@ def _inputs(svc: Service, body: CohereEmbedRequest) -> _Inputs:
         if images and not svc.takes_images:
             raise ApiError("unsupported", f"{where}[{images[0]}] is an image_url part: this model embeds text only"
                            f" (workflow {svc.info.workflow!r})", where)
-        if images and len(images) < len(item.content):
-            raise ApiError("validation", f"{where} mixes {len(images)} image_url and {len(item.content) - len(images)}"
-                           " text part(s): CLIP and SigLIP embed a text and an image separately (two towers, one"
-                           " vector each), never together; send them as separate inputs", where)
-        if len(item.content) != 1:
-            kind = "image_url" if images else "text"
-            raise ApiError("validation", f"{where} has {len(item.content)} {kind} parts; send exactly one text or"
-                           " image per input", where)
+        check_one_part(where, len(images), len(item.content), "send exactly one text or image per input")
         part = item.content[0]
         if isinstance(part, CohereImage):
             out.images.append((part.image_url.url, f"{where}[0].image_url"))

@@ -31,6 +31,17 @@ def require_images(svc: "Service", field: str, what: str) -> None:
                        f" need {IMAGE_MODELS}", field)
 
 
+def check_one_part(where: str, images: int, parts: int, hint: str) -> None:
+    """Refuse content (a chat message's, a Cohere input's) that is not exactly one text or one image_url part:
+    `images` of its `parts` are image_url parts; `hint` ends the message for several parts of one kind."""
+    if images and images < parts:
+        raise ApiError("validation", f"{where} mixes {images} image_url and {parts - images} text part(s): CLIP and"
+                       " SigLIP embed a text and an image separately (two towers, one vector each), never together;"
+                       " send them as separate inputs", where)
+    if parts != 1:
+        raise ApiError("validation", f"{where} has {parts} {'image_url' if images else 'text'} parts; {hint}", where)
+
+
 def text_input(text: str) -> dict[str, str]:
     """A text sent next to images: always a text to the engine, whatever it starts with."""
     return {"text": text}
