@@ -121,13 +121,12 @@ class ImageTextRequestProcessor(LazyTokenizeRequestProcessor):
         for res in results:
             if isinstance(res, SchedulableRequest) and res.num_tokens < self.max_length:
                 pad = self.max_length - res.num_tokens
-                ids, types = [self._pad_id] * pad, None if res.token_type_ids is None else [0] * pad
-                if self._pad_left:
-                    res = replace(res, token_ids=ids + res.token_ids,
-                                  token_type_ids=None if types is None else types + res.token_type_ids)
-                else:
-                    res = replace(res, token_ids=res.token_ids + ids,
-                                  token_type_ids=None if types is None else res.token_type_ids + types)
+
+                def padded(values: list[int], fill: int) -> list[int]:
+                    return [fill] * pad + values if self._pad_left else values + [fill] * pad
+
+                res = replace(res, token_ids=padded(res.token_ids, self._pad_id),
+                              token_type_ids=None if res.token_type_ids is None else padded(res.token_type_ids, 0))
             out.append(res)
         return out
 
