@@ -2,7 +2,7 @@
 and fused residual-add + LayerNorm / RMSNorm.
 
 Importing this package needs no GPU: the package itself does not import triton, and the kernel modules
-(`kernels.varlen_attention`, `kernels.l2norm`, `kernels.fused_norm`) only define their kernels on import.
+(`wde.kernels.varlen_attention`, `wde.kernels.l2norm`, `wde.kernels.fused_norm`) only define their kernels on import.
 Triton decides at definition time whether a kernel is compiled for the GPU or run by its CPU interpreter
 (`TRITON_INTERPRET=1`), so that variable must be set before a kernel module is first imported. Interpreted
 kernels accept CPU tensors and are meant for tests (about 1000x slower than torch); compiled kernels need CUDA
@@ -22,4 +22,4 @@ def check_device(interpreted: bool, *tensors: torch.Tensor) -> None:
     device = devices.pop()
     if device.type != "cuda" and not interpreted:
         raise RuntimeError(f"triton kernels need CUDA tensors, got {device}; set TRITON_INTERPRET=1 before "
-                           "importing `kernels` to run them on CPU (slow, for tests), or use a torch implementation")
+                           "importing `wde.kernels` to run them on CPU (slow, for tests), or use a torch implementation")

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import check_device
+from wde.kernels import check_device
 
 MAX_COLS = 16384
 INTERPRETED = bool(triton.knobs.runtime.interpret)

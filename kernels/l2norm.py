@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import check_device
+from wde.kernels import check_device
 
 MAX_BLOCK = 4096
 INTERPRETED = bool(triton.knobs.runtime.interpret)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import check_device
+from wde.kernels import check_device
 
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)

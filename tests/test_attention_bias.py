@@ -71,7 +71,7 @@ def test_sdpa_bias_matches_per_sequence(lens: list[int], per_seq: bool, causal: 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("per_seq", [False, True], ids=["shared", "per-sequence"])
 def test_triton_kernel_bias_matches_per_sequence(per_seq: bool, causal: bool) -> None:
-    from kernels.varlen_attention import varlen_attention
+    from wde.kernels.varlen_attention import varlen_attention
 
     q, k, v = _inputs(LENS, 4, 2, device=DEVICE)
     bias = _bias(per_seq, 4, max(LENS) + 2, DEVICE)
@@ -82,7 +82,7 @@ def test_triton_kernel_bias_matches_per_sequence(per_seq: bool, causal: bool) ->
 
 def test_triton_kernel_bias_half_precision_and_strided() -> None:
     """A half-precision bias that is a strided view (a relative bias permuted from [L, L, heads])."""
-    from kernels.varlen_attention import varlen_attention
+    from wde.kernels.varlen_attention import varlen_attention
 
     q, k, v = (x.half() for x in _inputs(LENS, 2, 2, device=DEVICE))
     bias = _bias(False, 2, 17, DEVICE).permute(1, 2, 0).contiguous().permute(2, 0, 1).half()
@@ -103,7 +103,7 @@ def test_bad_bias_is_refused(bias: torch.Tensor, message: str) -> None:
 
 
 def test_wrong_head_count_is_refused_by_both_backends() -> None:
-    from kernels.varlen_attention import varlen_attention
+    from wde.kernels.varlen_attention import varlen_attention
 
     q, k, v = _inputs(LENS, 4, 4)
     bias = torch.zeros(3, 17, 17)

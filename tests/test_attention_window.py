@@ -101,7 +101,7 @@ def test_a_backend_without_windows_refuses_one() -> None:
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("lens", "window"), [([70, 5, 33], (8, 8)), ([100], (0, 20)), ([40, 41], (16, 0))])
 def test_triton_kernel_window_in_the_interpreter(causal: bool, lens: list[int], window: tuple[int, int]) -> None:
-    from kernels import varlen_attention
+    from wde.kernels import varlen_attention
 
     if not varlen_attention.INTERPRETED and not torch.cuda.is_available():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")

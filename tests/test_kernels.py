@@ -16,10 +16,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels import fused_norm, l2norm, varlen_attention  # noqa: E402
-from kernels.fused_norm import add_layer_norm, add_rms_norm  # noqa: E402
-from kernels.l2norm import l2_normalize  # noqa: E402
-from kernels.varlen_attention import varlen_attention as attention  # noqa: E402
+from wde.kernels import fused_norm, l2norm, varlen_attention  # noqa: E402
+from wde.kernels.fused_norm import add_layer_norm, add_rms_norm  # noqa: E402
+from wde.kernels.l2norm import l2_normalize  # noqa: E402
+from wde.kernels.varlen_attention import varlen_attention as attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

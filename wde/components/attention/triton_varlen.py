@@ -1,4 +1,4 @@
-"""Varlen attention with the Triton kernel in `kernels.varlen_attention`: no padding, no mask tensors.
+"""Varlen attention with the Triton kernel in `wde.kernels.varlen_attention`: no padding, no mask tensors.
 
 The kernel reads `cu_seqlens` (and an additive bias, when the model gives one) directly, so metadata is what
 the base class builds. The kernel module is
@@ -31,7 +31,7 @@ class TritonVarlenBackend(AttentionBackend):
 
     def __init__(self, params: AttentionParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
-        from kernels import varlen_attention
+        from wde.kernels import varlen_attention
 
         self._kernels: ModuleType = varlen_attention
         if not varlen_attention.INTERPRETED and not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""Residual-add + norm steps that use the Triton kernels (`kernels.fused_norm`) for CUDA tensors.
+"""Residual-add + norm steps that use the Triton kernels (`wde.kernels.fused_norm`) for CUDA tensors.
 
 One kernel reads x and the residual once and writes the normalized result (and, for pre-norm blocks, the new
 residual) instead of torch's add, reduce, scale and cast passes. Other devices take the plain torch path, and
@@ -14,7 +14,7 @@ from torch import nn
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
     """`norm(x + residual)` (BERT's post-norm)."""
     if x.is_cuda:
-        from kernels.fused_norm import add_layer_norm as fused
+        from wde.kernels.fused_norm import add_layer_norm as fused
 
         return fused(x, residual, norm.weight, norm.bias, norm.eps)
     return norm(x + residual)
@@ -27,7 +27,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     The torch path normalizes in float32 and scales in the input dtype, as the reference models do.
     """
     if x.is_cuda:
-        from kernels.fused_norm import add_rms_norm as fused
+        from wde.kernels.fused_norm import add_rms_norm as fused
 
         return fused(x, residual, weight, eps)
     h = x if residual is None else x + residual
@@ -38,7 +38,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     """Row-wise L2 normalization (`F.normalize(x, dim=-1)`)."""
     if x.is_cuda:
-        from kernels.l2norm import l2_normalize as fused
+        from wde.kernels.l2norm import l2_normalize as fused
 
         return fused(x)
     return nn.functional.normalize(x, dim=-1)

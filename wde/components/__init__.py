@@ -1,0 +1,1 @@
+"""The components a workflow names, one module per kind."""
