@@ -19,9 +19,11 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.tiny_clip import CAPTIONS, build_siglip, encoded, exif_rotated_jpeg, image_of_mode, scene
+from tests.tiny_clip import (CAPTIONS, build_siglip, build_siglip2, encoded, exif_rotated_jpeg, image_of_mode,
+                             saved_as_processor, scene)
 from tests.tiny_models import varied_texts
 from wde import Engine, PoolingParams, RequestError
+from wde.errors import ModelLoadError
 from wde.components.image_input import BAD_IMAGE, TOO_LARGE
 from wde.components.model_input_builder import ModelInput
 from wde.request import ImagePrompt
@@ -200,6 +202,46 @@ def test_legacy_preprocessor_config_reads_as_transformers_reads_it(clip_path: Pa
     with Engine.from_workflow("clip", folder) as engine:
         for image in odd_images():
             assert np.abs(engine.input_processor.preprocessor(image) - ref.pixels([image])[0]).max() <= 1e-6
+
+
+@pytest.mark.parametrize("family", ["clip", "siglip", "siglip2"])
+def test_a_folder_saved_by_transformers_5_reads_its_processor_config(family: str, request: pytest.FixtureRequest,
+                                                                     tmp_path: Path) -> None:
+    """transformers 5 saves a processor as processor_config.json with the image processor nested under
+    "image_processor", and no preprocessor_config.json: such a folder serves the same vectors as the original."""
+    if family == "siglip2":
+        original = build_siglip2(tmp_path / "original")
+    else:
+        original = request.getfixturevalue(f"{family}_path")
+    folder = saved_as_processor(original, tmp_path / "saved")
+    images = [encoded(image_of_mode("RGB", 23 + 7 * i, 41 - 5 * i, seed=i)) for i in range(4)]
+    inputs = [*images, CAPTIONS[0]]
+    with Engine.from_workflow(None, original) as before, Engine.from_workflow(None, folder) as after:
+        assert after.workflow.name == family
+        assert np.array_equal(dense(before, inputs), dense(after, inputs))
+        if family != "siglip2":
+            ref = Reference(folder)
+            for data in images:
+                got = after.input_processor.preprocess(after.input_processor.image_prompt(data, "input"))
+                assert np.abs(got - ref.pixels([Image.open(io.BytesIO(data))])[0]).max() <= 1e-6
+
+
+def test_processor_config_wins_over_preprocessor_config_as_in_transformers(clip_path: Path, tmp_path: Path) -> None:
+    """With both files, transformers reads the nested processor_config.json entry; so does WDE (a stale
+    preprocessor_config.json beside it is ignored, by both)."""
+    folder = saved_as_processor(clip_path, tmp_path / "both")
+    stale = json.loads(json.dumps(json.loads((folder / "processor_config.json").read_text())["image_processor"]))
+    stale["image_mean"], stale["crop_size"], stale["size"] = [0.0, 0.0, 0.0], {"height": 12, "width": 12}, {"shortest_edge": 12}
+    (folder / "preprocessor_config.json").write_text(json.dumps(stale))
+    ref = Reference(folder)
+    with Engine.from_workflow("clip", folder) as engine:
+        assert engine.input_processor.image_size == (30, 30)
+        for image in odd_images():
+            assert np.abs(engine.input_processor.preprocessor(image) - ref.pixels([image])[0]).max() <= 1e-6
+    (folder / "processor_config.json").unlink()
+    (folder / "preprocessor_config.json").unlink()
+    with pytest.raises(ModelLoadError, match="neither a preprocessor_config.json nor a processor_config.json"):
+        Engine.from_workflow("clip", folder)
 
 
 def test_exif_orientation_is_applied_as_load_image_does(clip: Engine, clip_ref: Reference) -> None:

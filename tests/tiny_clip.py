@@ -140,6 +140,23 @@ def build_siglip2(folder: Path, *, padding_side: str = "right", max_num_patches:
         "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True})
 
 
+def saved_as_processor(folder: Path, out: Path) -> Path:
+    """`folder` saved again the way transformers 5 saves a model with its processor: the model's files, then
+    `AutoProcessor.save_pretrained`, which writes the image processor's settings nested in processor_config.json
+    (under "image_processor") and no preprocessor_config.json."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(folder)
+    out.mkdir(parents=True)
+    for f in folder.iterdir():
+        if f.is_file() and f.name != "preprocessor_config.json":
+            (out / f.name).write_bytes(f.read_bytes())
+    processor.save_pretrained(out)
+    assert not (out / "preprocessor_config.json").exists(), "this transformers saves processors as release 4 did"
+    assert "image_processor" in json.loads((out / "processor_config.json").read_text())
+    return out
+
+
 # -- images --------------------------------------------------------------------------------------------------------
 
 def gradient(width: int, height: int, seed: int = 0) -> np.ndarray:

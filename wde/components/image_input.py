@@ -211,14 +211,27 @@ def rescale_normalize(pixels: np.ndarray, rescale_factor: float | None,
     return pixels
 
 
+def image_processor_file(source: Any) -> Any:
+    """The file of a model folder that holds its image processor's settings, with transformers' precedence
+    (`ImageProcessingMixin.get_image_processor_dict`): `processor_config.json` when it nests them under
+    "image_processor" (how transformers 5 saves a whole processor: `CLIPProcessor.save_pretrained`), else
+    `preprocessor_config.json` (how transformers 4 saved it, and how an image processor alone is saved)."""
+    nested = source.read_json("processor_config.json")
+    if isinstance(nested, Mapping) and isinstance(nested.get("image_processor"), Mapping):
+        return source.path / "processor_config.json"
+    if source.read_json("preprocessor_config.json") is not None:
+        return source.path / "preprocessor_config.json"
+    raise ModelLoadError(f"{source.path} has neither a preprocessor_config.json nor a processor_config.json with an"
+                         " \"image_processor\" entry: an image-text workflow preprocesses images exactly as the"
+                         " model's image processor says, so its settings must be there (save_pretrained the model's"
+                         " image processor or processor into the folder)")
+
+
 def load_image_processor(source: Any) -> tuple[str, Any, Any]:
     """(class name without its Pil / Fast suffix, transformers' PIL-backend image processor, its config path) of a
-    model folder: read by transformers itself, so legacy keys mean what they mean there."""
-    where = source.path / "preprocessor_config.json"
-    if source.read_json("preprocessor_config.json") is None:
-        raise ModelLoadError(f"{source.path} has no preprocessor_config.json: an image-text workflow preprocesses"
-                             " images exactly as the model's image processor says, so its config must be there"
-                             " (save_pretrained the model's image processor or processor into the folder)")
+    model folder: read by transformers itself, so legacy keys mean what they mean there, and from the file
+    transformers reads (`image_processor_file`)."""
+    where = image_processor_file(source)
     import transformers
     from transformers import AutoImageProcessor
 
