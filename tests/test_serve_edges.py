@@ -107,6 +107,35 @@ def test_an_unforeseen_start_up_failure_is_one_line_too(monkeypatch: pytest.Monk
     assert _one_error_line(result.output) == "Error: RuntimeError: the disk caught fire"
 
 
+@pytest.mark.parametrize(("option", "value", "bound"), [
+    ("--max-concurrent-requests", "0", "at least 1"), ("--max-concurrent-requests", "-3", "at least 1"),
+    ("--max-client-batch-size", "0", "at least 1"), ("--payload-limit", "0", "at least 1"),
+    ("--request-timeout", "-1", "0 or more"), ("--stall-timeout", "-0.5", "0 or more"),
+    ("--header-timeout", "nan", "0 or more"), ("--body-timeout", "inf", "0 or more"),
+    ("--image-fetch-timeout", "0", "above 0")])
+@pytest.mark.parametrize("api_servers", ["0", "2"])
+def test_a_numeric_option_below_its_minimum_is_one_line_and_exit_1(monkeypatch: pytest.MonkeyPatch, option: str,
+                                                                    value: str, bound: str, api_servers: str) -> None:
+    """`--max-concurrent-requests 0` was accepted: /health said 200 and every request got 429. Every numeric
+    serve option out of its range is refused before anything loads, naming the option and its minimum."""
+    _no_model_load(monkeypatch)
+    result = CliRunner().invoke(main, ["serve", "--port", str(free_port()), "--api-servers", api_servers,
+                                       option, value])
+    assert result.exit_code == 1, result.output
+    line = _one_error_line(result.output)
+    assert line.startswith(f"Error: {option} must be ") and bound in line and f"got {value}" in line, line
+
+
+def test_server_config_refuses_the_same_limits_from_python() -> None:
+    from wde.server.config import LimitError, ServerConfig
+
+    with pytest.raises(LimitError, match="max_concurrent_requests must be an integer, at least 1, got 0"):
+        ServerConfig(max_concurrent_requests=0)
+    with pytest.raises(LimitError, match="max_client_batch_size .* got True"):
+        ServerConfig(max_client_batch_size=True)
+    assert ServerConfig(request_timeout=0, stall_timeout=0, max_concurrent_requests=1).request_timeout == 0
+
+
 def test_listening_sockets_set_tcp_nodelay_on_every_accepted_connection() -> None:
     """asyncio sets TCP_NODELAY on an accepted connection only when its listener says IPPROTO_TCP; the split
     server's listener said protocol 0, so every response after the first on a kept-alive connection waited ~40 ms

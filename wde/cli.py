@@ -246,11 +246,11 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_fi
                    " folder name; its last path component, e.g. all-MiniLM-L6-v2, is always accepted)")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="override a workflow value, e.g. scheduler.params.max_num_batched_tokens=8192 (repeatable)")
-@click.option("--max-client-batch-size", default=2048, show_default=True, type=click.IntRange(min=1),
+@click.option("--max-client-batch-size", default=2048, show_default=True, type=int,
               help="most inputs one request may carry (2048 is OpenAI's own limit); more is answered 422")
 @click.option("--max-concurrent-requests", default=512, show_default=True, type=int,
               help="HTTP requests inside the engine at once; one more is answered 429 at once, not queued")
-@click.option("--payload-limit", default=None, type=click.IntRange(min=1), metavar="BYTES",
+@click.option("--payload-limit", default=None, type=int, metavar="BYTES",
               help="largest request body in bytes; larger ones are answered 413 (default: a full batch of"
                    " max-length inputs fits, batch x (max length x 16 + 64) + 64 KiB, at least 2,000,000)")
 @click.option("--trust-remote-code", is_flag=True, default=False,
@@ -264,16 +264,16 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_fi
 @click.option("--token-id-inputs/--no-token-id-inputs", default=True, show_default=True,
               help="accept inputs given as token ids; --no-token-id-inputs refuses them (422), for clients that send"
                    " another tokenizer's ids (langchain-openai's OpenAIEmbeddings by default)")
-@click.option("--request-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
+@click.option("--request-timeout", default=300.0, show_default=True, type=float, metavar="SECONDS",
               help="abort a request the engine has not answered within this long (queued or running) and answer 503"
                    " with Retry-After; 0: no deadline")
-@click.option("--stall-timeout", default=15.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
+@click.option("--stall-timeout", default=15.0, show_default=True, type=float, metavar="SECONDS",
               help="/health answers 503 while the engine has not finished a step for this long (hung, frozen);"
                    " 0: never")
-@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
+@click.option("--header-timeout", default=10.0, show_default=True, type=float, metavar="SECONDS",
               help="answer 408 and close a connection that has not sent a request's headers within this long;"
                    " 0: never")
-@click.option("--body-timeout", default=60.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
+@click.option("--body-timeout", default=60.0, show_default=True, type=float, metavar="SECONDS",
               help="answer 408 and close the connection when a request body has not arrived this long after its"
                    " headers; 0: never")
 @click.option("--allowed-origins", multiple=True, metavar="ORIGIN[,ORIGIN…]",
@@ -283,7 +283,7 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_fi
               help="hosts whose http(s) image URLs an image-text model (CLIP, SigLIP) may fetch (any port; streamed"
                    " within max_image_bytes, no redirect elsewhere); by default no URL is fetched: images come as"
                    " data:image/...;base64 URIs (docs/images.md)")
-@click.option("--image-fetch-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--image-fetch-timeout", default=10.0, show_default=True, type=float,
               metavar="SECONDS", help="the most one image fetch (--allow-image-fetch) may take in all; then it is 400")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
@@ -302,6 +302,7 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, api_key
     """
     from wde.server import ServerConfig, run_server
     from wde.server.app import EngineFailed
+    from wde.server.config import LimitError
     from wde.server.startup import StartupError
 
     try:
@@ -316,6 +317,8 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, api_key
                               allowed_origins=tuple(_split_list(allowed_origins)),
                               allow_image_fetch=tuple(_split_list(allow_image_fetch)),
                               image_fetch_timeout=image_fetch_timeout, log_level=log_level)
+    except LimitError as e:  # a start-up refusal like any other: one line naming the option, exit 1
+        raise click.ClickException(e.message(e.option)) from None
     except ValueError as e:
         hint = ("--api-key" if "api_key" in str(e) else "--quantization-ranges" if "quantization" in str(e)
                 else "--allowed-origins" if "origin" in str(e) else "--allow-image-fetch" if "image_fetch" in str(e)

@@ -83,24 +83,15 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty: an empty key would turn authentication off; give a key, or none")
-        if self.max_client_batch_size < 1:
-            raise ValueError(f"max_client_batch_size must be at least 1, got {self.max_client_batch_size}")
-        for name in ("request_timeout", "stall_timeout", "header_timeout", "body_timeout"):
-            value = getattr(self, name)
-            if not 0 <= value < float("inf"):
-                raise ValueError(f"{name} must be a number of seconds, 0 or more (0: no limit), got {value}")
+        check_limits(self)
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.allowed_origins:
             from wde.server.middleware import normalize_origin
 
             self.allowed_origins = tuple(dict.fromkeys(normalize_origin(o) for o in self.allowed_origins))
-        if self.payload_limit is not None and self.payload_limit < 1:
-            raise ValueError(f"payload_limit must be at least 1 byte, got {self.payload_limit}")
         if self.served_model_name is not None and not self.served_model_name.strip(" ,"):
             raise ValueError("served_model_name is empty: give a name, several comma separated, or none")
-        if not self.image_fetch_timeout > 0 or self.image_fetch_timeout == float("inf"):
-            raise ValueError(f"image_fetch_timeout must be a number of seconds above 0, got {self.image_fetch_timeout}")
         self.allow_image_fetch = tuple(dict.fromkeys(fetch_host(h) for h in self.allow_image_fetch))
         if self.quantization_ranges is not None:
             from wde.server.quantize import load_ranges
@@ -109,6 +100,54 @@ class ServerConfig:
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+class LimitError(ValueError):
+    """A numeric setting outside the range where it means something (`--max-concurrent-requests 0` would answer
+    every request 429 while /health says 200). `wde serve` refuses it at start-up in one line naming the option
+    (`option`) and its minimum, exit 1, rather than serve a server that cannot work."""
+
+    def __init__(self, name: str, value: object, bound: str, why: str = "") -> None:
+        self.name, self.value, self.bound, self.why = name, value, bound, why
+        super().__init__(self.message(name))
+
+    @property
+    def option(self) -> str:
+        """The `wde serve` option that sets it: `max_concurrent_requests` → `--max-concurrent-requests`."""
+        return "--" + self.name.replace("_", "-")
+
+    def message(self, name: str) -> str:
+        return f"{name} must be {self.bound}, got {self.value}{': ' + self.why if self.why else ''}"
+
+
+AT_LEAST_ONE = {
+    "max_client_batch_size": "a request with no input is refused anyway",
+    "max_concurrent_requests": "with 0 every request would be answered 429",
+    "payload_limit": "a body limit of 0 bytes refuses every request",
+}
+"""Integer settings whose minimum is 1, with why a smaller value is meaningless."""
+SECONDS_OR_ZERO = ("request_timeout", "stall_timeout", "header_timeout", "body_timeout")
+"""Timeouts in seconds where 0 means no limit (a negative one would expire before anything happens)."""
+SECONDS_ABOVE_ZERO = ("image_fetch_timeout",)
+"""Timeouts in seconds that must leave some time (there is no "no limit" for a fetch)."""
+
+
+def check_limits(config: ServerConfig) -> None:
+    """Raise `LimitError` for the first numeric setting of `config` outside its range: integers (bools are not
+    numbers here) at least 1, timeouts finite and not negative (0 where it means no limit, else above 0)."""
+    for name, why in AT_LEAST_ONE.items():
+        value = getattr(config, name)
+        if value is None and name == "payload_limit":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LimitError(name, value, "an integer, at least 1", why)
+    for name in SECONDS_OR_ZERO + SECONDS_ABOVE_ZERO:
+        value = getattr(config, name)
+        above = name in SECONDS_ABOVE_ZERO
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value == float("inf") \
+                or not (value > 0 if above else value >= 0):
+            raise LimitError(name, value, "a number of seconds above 0" if above
+                             else "a number of seconds, 0 or more (0: no limit)")
 
 BYTES_PER_TOKEN = 16
 """Generous JSON bytes for one token of an input: English text runs at 4 to 6 bytes per token, token ids at up
