@@ -1,32 +1,25 @@
-"""WDE installed as users install it: not editable, into a fresh venv, beside a top-level package named `workflows`
-(llama-index-core pulls llama-index-workflows, which installs one). The bundled workflows must come from the package
-data `wde.workflows`, never from `site-packages/workflows`.
+"""WDE installed as users install it: its wheel (not editable) in a fresh venv, beside a top-level package named
+`workflows` (llama-index-core pulls llama-index-workflows, which installs one). The bundled workflows must come from
+the package data `wde.workflows`, never from `site-packages/workflows`.
 
-The venv sees the system site-packages (torch, transformers, the bundled MiniLM come from there; nothing is
-downloaded) and is built from a copy of the source tree, so the checkout gets no `build/` folder."""
+The venv sees the test environment's site-packages behind its own (torch, transformers and the bundled MiniLM come
+from there; nothing is downloaded); tests/installs.py builds the wheel from a copy of the source tree, so the
+checkout gets no `build/` folder. The README's quick start in a venv with no extras and nothing else is checked by
+.ci/run (tests/quickstart_check.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.installs import HANG, clean_env, new_venv, pip_install_wde, sh, site_packages
 from tests.test_server import free_port, wait_healthy
-
-REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "README.md", "wde", "workflows", "kernels")
-"""What `pip install` needs of the checkout (pyproject.toml's packages, package-dir and readme)."""
-
-HANG = 300
-"""Seconds before a step counts as hung: each takes a few seconds to tens of seconds on a busy 2-core machine."""
 
 CHECK = """
 import json, sys
@@ -49,44 +42,13 @@ json.dump({"prefix": sys.prefix, "wde": wde.__file__, "package_data": wde.workfl
 pytestmark = pytest.mark.slow  # tens of seconds; stays in the default run (nothing deselects `slow`)
 
 
-def clean_env() -> dict[str, str]:
-    """This process's environment without what would put the checkout, or another environment, on sys.path."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP",
-                                                              "PYTHONUSERBASE", "VIRTUAL_ENV", "PIP_USER")}
-    return {**env, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1", "PYTHONNOUSERSITE": "1"}
-
-
-def sh(args: list[str | Path], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=HANG)
-    assert result.returncode == 0, (f"{args} exited {result.returncode}:\n{result.stdout[-3000:]}\n"
-                                    f"{result.stderr[-3000:]}")
-    return result
-
-
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A venv with WDE installed from a copy of the checkout (a wheel, not editable) and a foreign package named
-    `workflows` in its site-packages."""
-    root = tmp_path_factory.mktemp("install")
-    src = root / "src"
-    src.mkdir()
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "*.pyc")
-    for name in SOURCES:
-        if (REPO / name).is_dir():
-            shutil.copytree(REPO / name, src / name, ignore=ignore)
-        else:
-            shutil.copy2(REPO / name, src / name)
-    env = clean_env()
-    venv = root / "venv"
-    # no pip of its own (ensurepip is slow); the system pip, seen through --system-site-packages, installs into it
-    sh([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], root, env)
-    python = venv / "bin" / "python"
-    # --ignore-installed: the system's editable wde is neither uninstalled nor counted as satisfying the requirement
-    sh([python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--ignore-installed",
-        "--no-compile", src], root, env)
-    site = Path(sh([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], root, env)
-                .stdout.strip())
-    assert site.is_relative_to(venv), site
+    """A venv with WDE's wheel installed and a foreign package named `workflows` in its site-packages."""
+    venv = tmp_path_factory.mktemp("install") / "venv"
+    python = new_venv(venv)
+    pip_install_wde(python)
+    site = site_packages(python)
     assert (site / "wde" / "workflows" / "bert.yaml").is_file(), sorted(p.name for p in site.iterdir())
     other = site / "workflows"
     assert not other.exists(), "the wheel must not install a top-level package named workflows"
