@@ -21,6 +21,7 @@ import logging
 import threading
 from typing import Any, Callable, Sequence
 
+from wde.components.image_decode import ImageDecoder
 from wde.core.heartbeat import Heartbeat
 from wde.engine import BatchStats, Engine
 from wde.engine_info import EngineInfo
@@ -92,6 +93,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
         """Set when the engine loop itself died (not a single batch); the engine is then unhealthy."""
         self.heartbeat = Heartbeat()
+        self.images = ImageDecoder.of(engine)
+        """Decodes a call's images before they are queued, so the engine loop never decodes (None: texts only)."""
 
     def start(self) -> None:
         self.heartbeat.beat()
@@ -105,6 +108,8 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._fail_all(EngineUnavailable("the server is shutting down"), close=True)
+        if self.images is not None:
+            self.images.close()
 
     @property
     def num_restarts(self) -> int:
@@ -148,12 +153,22 @@ class AsyncEngine:
         futures = [loop.create_future() for _ in requests]
         self.active_calls += 1
         try:
+            if self.images is not None and self.images.wanted(requests):  # decoded before the engine sees them
+                started = loop.time()
+                requests = await await_within(self.images.prepare(requests), timeout)
+                timeout = None if timeout is None else timeout - (loop.time() - started)
+            queued = []
+            for r, f in zip(requests, futures):
+                if isinstance(r, RequestOutput):  # refused as it was decoded (a truncated file)
+                    f.set_result(r)
+                else:
+                    queued.append((r, f))
             with self._lock:  # with `_fail_all`'s reset, a request is either failed and dropped, or kept whole
                 if self._closed:
                     raise EngineUnavailable("the engine is not running" + (f": {self.error}" if self.error else ""))
-                for r, f in zip(requests, futures):
+                for r, f in queued:
                     self._pending[r.request_id] = (loop, f)
-                for r in requests:
+                for r, _ in queued:
                     self.engine.scheduler.add(r)
             self._wake.set()
             return list(await await_within(asyncio.gather(*futures), timeout))
@@ -258,7 +273,11 @@ def admit(handle: Any, make_request: Callable[..., Request], inputs: Sequence[An
                                f" the limit is {handle.max_concurrent_requests}; retry later")
     per_input = [params] * len(inputs) if isinstance(params, PoolingParams) else list(params)
     names = input_names(fields, len(inputs))
-    return [make_request(x, p, f"{prefix}-{i}", names[i]) for i, (x, p) in enumerate(zip(inputs, per_input))]
+    requests = [make_request(x, p, f"{prefix}-{i}", names[i]) for i, (x, p) in enumerate(zip(inputs, per_input))]
+    check_request = getattr(handle.input_processor, "check_request", None)
+    if check_request is not None:  # e.g. the images of one call within a pixel budget, before any is decoded
+        check_request(requests, names)
+    return requests
 
 
 async def await_within(work: "asyncio.Future[Any]", timeout: float | None) -> Any:

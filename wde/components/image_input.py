@@ -24,28 +24,26 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import os
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
 from wde.components.base import BuildContext
+from wde.components.image_limits import (BAD_IMAGE, TOO_LARGE, check_formats, check_request_pixels, check_size,
+                                         open_image)
 from wde.components.input_processor import InputName, TextInputProcessor
 from wde.components.params import ImageTextInputParams
 from wde.errors import ModelLoadError, RequestError, one_line
-from wde.request import ImagePrompt, PoolingParams, Prompt
+from wde.request import ImagePrompt, PoolingParams, Prompt, Request
 
 if TYPE_CHECKING:
     from wde.components.naflex import NaFlexPreprocessor
 
-BAD_IMAGE = "bad_image"
-TOO_LARGE = "image_too_large"
-"""`RequestError.kind` of refused images: a client error (HTTP 400), and one over a limit (HTTP 413)."""
 
 SUPPORTED_MODES = frozenset({"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr", "LAB", "HSV",
                              "I;16", "I;16L", "I;16B", "I;16N"})
@@ -63,6 +61,15 @@ NAFLEX_MODELS = ("siglip2",)
 
 _PROCESSORS = ("CLIPImageProcessor", "CLIPFeatureExtractor", "SiglipImageProcessor")
 """Image processor classes (with or without their Fast / Pil suffix) whose pipeline `ImagePreprocessor` implements."""
+
+
+CROP_FIRST_AREA = 16
+"""An image whose resized size would be over this many times its center crop's area (more elongated than 16:1 when
+CLIP resizes its short edge to the crop's side) is resized only in the region the crop keeps (Pillow's `resize`
+with a `box`), so the work and memory stay those of the crop whatever the aspect ratio: transformers resizes all
+of it first (224 x 2,240,000 pixels, 1.5 GB, for a 1 x 10,000 strip). Its pixels can then differ from
+transformers' by a few intensity levels (Pillow's filter starts from another origin); every image within the
+factor is resized as transformers resizes it, to the bit."""
 
 
 def _pil() -> Any:
@@ -159,11 +166,30 @@ class ImagePreprocessor:
         new_short, new_long = short_edge, int(short_edge * long / short)
         return (new_long, new_short) if width <= height else (new_short, new_long)
 
+    def kept_region(self, height: int, width: int) -> tuple[int, int, int, int] | None:
+        """(left, top, right, bottom), in the resized image's pixels, of what the center crop keeps of an image
+        resized to height x width, when that image would be over `CROP_FIRST_AREA` times the crop's area; else
+        None (resize all of it, then crop, as transformers does)."""
+        if self.crop_size is None:
+            return None
+        crop_h, crop_w = self.crop_size
+        if height * width <= CROP_FIRST_AREA * crop_h * crop_w:
+            return None
+        top, left = max(0, (height - crop_h) // 2), max(0, (width - crop_w) // 2)
+        return left, top, min(width, left + crop_w), min(height, top + crop_h)
+
     def __call__(self, image: Any) -> np.ndarray:
         image = to_rgb(image)
         if self.do_resize:
             height, width = self.resized_size(image.height, image.width)
-            image = image.resize((width, height), resample=self.resample)
+            kept = self.kept_region(height, width)
+            if kept is None:
+                image = image.resize((width, height), resample=self.resample)
+            else:  # an elongated image: resize only the part the crop keeps, never the whole strip
+                left, top, right, bottom = kept
+                sx, sy = image.width / width, image.height / height
+                image = image.resize((right - left, bottom - top), resample=self.resample,
+                                     box=(left * sx, top * sy, right * sx, bottom * sy))
         pixels = np.asarray(image).transpose(2, 0, 1)  # [C, H, W] uint8
         if self.crop_size is not None:
             pixels = center_crop(pixels, self.crop_size)
@@ -312,6 +338,8 @@ class ImageTextInputProcessor(TextInputProcessor):
                                  " texts and images")
         from wde.components.naflex import NaFlexPreprocessor  # it builds on this module's helpers
 
+        self.formats: tuple[str, ...] = check_formats(params.image_formats)
+        """The file formats decoded (Pillow's names); any other is refused by name (wde/components/image_limits.py)."""
         self.preprocessor: ImagePreprocessor | NaFlexPreprocessor = image_preprocessor(ctx.source)
         self.naflex: NaFlexPreprocessor | None = None
         """The NaFlex pipeline (SigLIP 2) when images keep their aspect ratio and vary in length; else None."""
@@ -366,6 +394,12 @@ class ImageTextInputProcessor(TextInputProcessor):
             self._check_image(image, field)
             return ImagePrompt(data, self.num_tokens(image.width, image.height), image.width * image.height)
 
+    def check_request(self, requests: Sequence[Request], names: Sequence[InputName]) -> None:
+        """Refuse a server request whose images add up to more than `max_request_image_pixels` (their headers'
+        width x height, before any is decoded), naming the input that passes it."""
+        pixels = [r.prompt.pixels if isinstance(r.prompt, ImagePrompt) else 0 for r in requests]
+        check_request_pixels(pixels, names, self.params.max_request_image_pixels)
+
     def preprocess(self, prompt: ImagePrompt, field: str = "input") -> np.ndarray:
         """The pixel values of an admitted image: decoded (EXIF orientation applied), converted and preprocessed
         as the model's image processor does. Thread-safe; `RequestError` (kind "bad_image") for a file that turns
@@ -415,13 +449,7 @@ class ImageTextInputProcessor(TextInputProcessor):
         return ImagePrompt(data, tokens, 0)
 
     def _check_image(self, image: Any, field: str) -> None:
-        width, height = image.size
-        if width * height > self.params.max_image_pixels:
-            raise RequestError(f"{field} is {width}x{height} = {width * height} pixels; the limit is"
-                               f" {self.params.max_image_pixels} (input_processor.params.max_image_pixels: a"
-                               " decompression bomb guard)", field, kind=TOO_LARGE)
-        if width < 1 or height < 1:
-            raise RequestError(f"{field} has no pixels ({width}x{height})", field, kind=BAD_IMAGE)
+        check_size(*image.size, field, self.params)
         if image.mode not in SUPPORTED_MODES:
             kind = f" {image.format}" if getattr(image, "format", None) else ""
             raise RequestError(f"{field} is a{kind} image of mode {image.mode!r}, which is not supported (supported:"
@@ -503,19 +531,9 @@ class ImageTextInputProcessor(TextInputProcessor):
                                kind=BAD_IMAGE) from None
 
     def _open(self, data: bytes, field: str) -> Any:
-        """The image of `data`, its header read (format, size, mode), no pixel decoded yet."""
-        Image = _pil()
-        from PIL import UnidentifiedImageError
-
-        try:
-            return Image.open(io.BytesIO(data))
-        except Image.DecompressionBombError as e:
-            raise RequestError(f"{field} is a decompression bomb: {one_line(e)}", field, kind=TOO_LARGE) from None
-        except UnidentifiedImageError:
-            raise RequestError(f"{field} is not an image: no image format recognizes its {len(data)} bytes", field,
-                               kind=BAD_IMAGE) from None
-        except Exception as e:  # noqa: BLE001 - a header Pillow cannot parse
-            raise RequestError(f"{field} is not a readable image: {one_line(e)}", field, kind=BAD_IMAGE) from None
+        """The image of `data`, its header read (format, size, mode), no pixel decoded yet; a format outside
+        `image_formats` is refused by name before its header is parsed."""
+        return open_image(data, self.formats, field)
 
     def _decode(self, data: bytes, field: str) -> Any:
         from PIL import ImageOps

@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 
 from wde.components.base import Params
+from wde.components.image_limits import (IMAGE_FORMATS, MAX_IMAGE_ASPECT_RATIO, MAX_IMAGE_PIXELS,
+                                         MAX_REQUEST_IMAGE_PIXELS)
 from wde.components.input_processor import TextInputParams
 from wde.components.request_processor import LazyTokenizeParams
 
@@ -119,10 +121,20 @@ class ImageTextInputParams(TextInputParams):
 
     max_image_bytes: int = Field(20 * 2**20, gt=0, description=(
         "refuse an encoded image (file bytes; a base64 string counts its decoded size) larger than this"))
-    max_image_pixels: int = Field(50_000_000, gt=0, description=(
+    max_image_pixels: int = Field(MAX_IMAGE_PIXELS, gt=0, description=(
         "refuse an image whose width x height exceeds this, read from its header before any pixel is decoded (a"
         " decompression bomb: a small file that decodes to gigabytes); Pillow's own guard, which refuses twice its"
         " Image.MAX_IMAGE_PIXELS, stays in force too"))
+    max_image_aspect_ratio: float = Field(MAX_IMAGE_ASPECT_RATIO, ge=1, description=(
+        "refuse an image whose longer side is more than this many times its shorter one, read from its header"
+        " (a 1 x 100,000 strip is 125 bytes as a PNG; no model sees anything useful in it)"))
+    max_request_image_pixels: int = Field(MAX_REQUEST_IMAGE_PIXELS, gt=0, description=(
+        "refuse a server request whose images add up to more than this many pixels (width x height, from their"
+        " headers, before any is decoded): the decoding one request can make the server do"))
+    image_formats: tuple[str, ...] = Field(IMAGE_FORMATS, min_length=1, description=(
+        "the file formats decoded (Pillow's names); any other is refused by name before its header is parsed"
+        " (FITS, EPS, PSD, ICO, ...: formats whose decoders are slow, call out to Ghostscript, or rarely hold"
+        " photos). GIF and multi-frame files give their first frame"))
     allow_local_paths: bool = Field(False, description=(
         "accept a local file path as {'image': '/path/to/file'} (wde embed turns it on; a server never should)."
         " A pathlib.Path object, which only Python code can make, is always accepted"))
