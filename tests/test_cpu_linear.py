@@ -97,7 +97,9 @@ def test_auto_ignores_cpuinfo_and_falls_back_when_onednn_refuses(
     assert resolve_cpu_linear("auto", torch.device("cpu"), torch.bfloat16) == (
         "onednn" if real and onednn_error(torch.bfloat16) is None else "torch")
     monkeypatch.setattr(cpu_linear, "_onednn_pays", lambda dtype: True)
-    monkeypatch.setattr(cpu_linear, "onednn_error", lambda dtype: "bf16 path needs avx512bw (test)")
+    monkeypatch.setattr(cpu_linear, "onednn_error",
+                        lambda dtype: "bf16 path needs avx512bw (test)" if dtype == torch.bfloat16 else None)
+    monkeypatch.setattr(cpu_linear, "_warned", set())  # said once per process: this test's own process-state
     caplog.set_level(logging.WARNING, logger="wde.models")
     with Engine.from_workflow("bert", tiny_bert, dtype="bfloat16", device="cpu",
                               overrides=["pooler.params.pooling=mean"]) as engine:

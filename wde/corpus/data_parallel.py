@@ -27,12 +27,16 @@ POLL_S = 0.5
 
 
 def plan_devices(workers: int, devices: list[str] | None) -> list[str]:
-    """One device per worker: the given list, else the GPUs round-robin, else CPU for all."""
+    """One device per worker: the given list, else `WDE_DEVICE` for all (as one worker would use), else the GPUs
+    round-robin, else CPU for all."""
     if devices:
         if workers > 1 and workers != len(devices):
             raise CorpusError(f"--workers {workers} and --devices {','.join(devices)} disagree; give one of them"
                               " (--devices alone starts one worker per device)")
         return list(devices)
+    forced = os.environ.get("WDE_DEVICE")
+    if forced:
+        return [forced] * workers
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -114,10 +114,16 @@ def resolve_cpu_linear(choice: CpuLinear, device: torch.device, dtype: torch.dty
         return "torch"
     error = onednn_error(dtype)
     if error is not None:
-        log.warning("oneDNN prepacked %s linear layers failed on this CPU (%s); using PyTorch's linear layers",
-                    dtype, error)
+        if (dtype, error) not in _warned:  # once per process: mixed precision's timing probe asks again
+            _warned.add((dtype, error))
+            log.warning("oneDNN prepacked %s linear layers failed on this CPU (%s); using PyTorch's linear layers",
+                        dtype, error)
         return "torch"
     return "onednn"
+
+
+_warned: set[tuple[torch.dtype, str]] = set()
+"""The (dtype, error) pairs already reported by resolve_cpu_linear."""
 
 
 class PackedLinear(nn.Module):
