@@ -43,3 +43,18 @@ def test_the_check_passes_against_wde_serve(capsys: pytest.CaptureFixture[str]) 
     assert wde.is_file(), f"no wde command beside {sys.executable}"
     assert check.main(["--wde", str(wde)]) == 0
     assert "answered /v1/embeddings with all-MiniLM-L6-v2's vectors for 3 texts" in capsys.readouterr().out
+
+
+def test_ci_installs_as_the_readme_quick_start_says() -> None:
+    """The README's quick start is two commands: the install-and-serve line, whose installs .ci/run runs verbatim
+    (then tests/quickstart_check.py serves as `wde serve` does), and `bash .ci/run`."""
+    root = Path(__file__).resolve().parents[1]
+    readme = root / "README.md"
+    section = readme.read_text(encoding="utf-8").split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = [b.split("\n", 1)[1].strip() for b in section.split("```")[1::2]]
+    assert len(blocks) == 2 and blocks[1] == "bash .ci/run", blocks
+    *installs, serve = [step.strip() for step in blocks[0].split("&&")]
+    assert serve == "wde serve" and installs, blocks[0]
+    ci = [line.strip() for line in (root / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    check = ci.index("python tests/quickstart_check.py --no-extras")
+    assert [line for line in ci[:check] if line.startswith("pip ")] == installs, ci[:check]
