@@ -235,6 +235,12 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_fi
                f" ({summary.tokens:,} tokens in {summary.seconds:.1f}s{resumed})")
 
 
+def image_limit_overrides(**limits: float | None) -> list[str]:
+    """The image limits given as `wde serve` options, as the `--set` overrides of the input processor's params
+    they are (wde/components/image_limits.py); a text-only workflow refuses them at start-up by name."""
+    return [f"input_processor.params.{name}={value}" for name, value in limits.items() if value is not None]
+
+
 @main.command()
 @click.option("--workflow", "-w", default=None, help="workflow file or name (default: chosen from the model)")
 @click.option("--model", "-m", default=None, help="model folder or cached hub id (default: all-MiniLM-L6-v2)")
@@ -285,6 +291,15 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_fi
                    " data:image/...;base64 URIs (docs/images.md)")
 @click.option("--image-fetch-timeout", default=10.0, show_default=True, type=float,
               metavar="SECONDS", help="the most one image fetch (--allow-image-fetch) may take in all; then it is 400")
+@click.option("--max-image-pixels", default=None, type=click.IntRange(min=1), metavar="PIXELS",
+              help="image-text models: refuse an image whose header says width x height is over this (413) before"
+                   " decoding it (default 33,554,432; input_processor.params.max_image_pixels)")
+@click.option("--max-image-aspect-ratio", default=None, type=click.FloatRange(min=1), metavar="RATIO",
+              help="image-text models: refuse an image whose longer side is over RATIO times its shorter one (413)"
+                   " before decoding it (default 200; input_processor.params.max_image_aspect_ratio)")
+@click.option("--max-request-image-pixels", default=None, type=click.IntRange(min=1), metavar="PIXELS",
+              help="image-text models: refuse a request whose images add up to more pixels than this (413) before"
+                   " decoding any (default 268,435,456; input_processor.params.max_request_image_pixels)")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="log level; debug also prints the traceback of a start-up failure after its one line")
@@ -293,7 +308,8 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, api_key
           max_concurrent_requests: int, payload_limit: int | None, trust_remote_code: bool, access_log: bool,
           quantization_ranges: str | None, api_servers: str, token_id_inputs: bool, request_timeout: float,
           stall_timeout: float, header_timeout: float, body_timeout: float, allowed_origins: tuple[str, ...],
-          allow_image_fetch: tuple[str, ...], image_fetch_timeout: float, log_level: str) -> None:
+          allow_image_fetch: tuple[str, ...], image_fetch_timeout: float, max_image_pixels: int | None,
+          max_image_aspect_ratio: float | None, max_request_image_pixels: int | None, log_level: str) -> None:
     """Serve a workflow over HTTP (OpenAI, rerank and TEI-compatible routes; images too for CLIP and SigLIP).
 
     Exits 0 after SIGINT/SIGTERM (requests in flight are finished first), 1 when it cannot start (one line naming
@@ -307,7 +323,10 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, api_key
 
     try:
         config = ServerConfig(workflow=workflow, model=model, host=host, port=port, api_key=api_key,
-                              served_model_name=served_model_name, overrides=list(overrides),
+                              served_model_name=served_model_name,
+                              overrides=list(overrides) + image_limit_overrides(
+                                  max_image_pixels=max_image_pixels, max_image_aspect_ratio=max_image_aspect_ratio,
+                                  max_request_image_pixels=max_request_image_pixels),
                               max_client_batch_size=max_client_batch_size,
                               max_concurrent_requests=max_concurrent_requests, payload_limit=payload_limit,
                               trust_remote_code=trust_remote_code, access_log=access_log,

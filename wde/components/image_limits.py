@@ -72,7 +72,7 @@ def open_image(data: bytes, formats: Sequence[str], field: str) -> Any:
     except UnidentifiedImageError:
         other = format_of(data[:_PREFIX], exclude=formats)
         if other is not None:
-            raise RequestError(f"{field} is a {other} file, a format this server does not decode (it decodes"
+            raise RequestError(f"{field} is in the {other} format, which this server does not decode (it decodes"
                                f" {', '.join(formats)}: input_processor.params.image_formats)", field,
                                kind=BAD_IMAGE) from None
         raise RequestError(f"{field} is not an image: no image format recognizes its {len(data)} bytes", field,
