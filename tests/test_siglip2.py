@@ -2,7 +2,13 @@
 lengths vary per image in one batch. Both towers equal transformers' `get_text_features` / `get_image_features`
 (the reference run as its processor runs it: padded to max_num_patches with `pixel_attention_mask` and
 `spatial_shapes`), the patches equal `Siglip2ImageProcessor`'s unpadded rows, admission knows an image's length
-from its header alone, and prepared patch arrays and misfit folders are refused by name."""
+from its header alone, and prepared patch arrays and misfit folders are refused by name.
+
+The position embeddings are resized as SigLIP 2 was trained (big_vision: antialiased bilinear). The reference for that
+is Pillow's BILINEAR resize (`trained_resize`), not whichever transformers is installed: transformers <= 5.23 resizes
+with `F.interpolate(antialias=True)`, whose CPU kernel is wrong for grids one patch wide (docs/images.md), and 5.24
+builds the weights itself. The transformers model runs with its resize replaced by that reference
+(`Reference.image`); what each release does is pinned down separately (`test_installed_transformers_resize`)."""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from tests.tiny_clip import (CAPTIONS, SIGLIP2_MAX_PATCHES, SIGLIP2_PATCH, build_siglip2, exif_rotated_jpeg,
@@ -23,6 +30,7 @@ from tests.test_clip_siglip import Reference as ClipReference
 from tests.tiny_models import varied_texts
 from wde import Engine, RequestError
 from wde.components.image_input import BAD_IMAGE, TOO_LARGE
+from wde.components.models.siglip2 import NaFlexEmbeddings
 from wde.components.naflex import size_for_max_num_patches
 from wde.errors import ModelLoadError
 from wde.request import ImagePrompt
@@ -69,7 +77,66 @@ class Reference(ClipReference):
 
     @torch.no_grad()
     def image(self, images: list[Any]) -> np.ndarray:
-        return self.model.get_image_features(**self.inputs(images)).pooler_output.numpy()
+        return self.features(**self.inputs(images))
+
+    @torch.no_grad()
+    def grids(self, arrays: list[np.ndarray]) -> np.ndarray:
+        """Prepared [h, w, values] patch arrays, padded to max_num_patches as the processor pads them."""
+        most = SIGLIP2_MAX_PATCHES
+        pixels = np.zeros((len(arrays), most, PATCH_DIM), np.float32)
+        mask = np.zeros((len(arrays), most), np.int64)
+        for i, array in enumerate(arrays):
+            n = array.shape[0] * array.shape[1]
+            pixels[i, :n], mask[i, :n] = array.reshape(n, -1), 1
+        shapes = torch.tensor([array.shape[:2] for array in arrays])
+        return self.features(pixel_values=torch.from_numpy(pixels), pixel_attention_mask=torch.from_numpy(mask),
+                             spatial_shapes=shapes)
+
+    def features(self, **inputs: torch.Tensor) -> np.ndarray:
+        """`get_image_features` with the position embeddings resized by `trained_resize`, whatever the installed
+        release's own `resize_positional_embeddings` does."""
+        from transformers.models.siglip2.modeling_siglip2 import Siglip2VisionEmbeddings
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Siglip2VisionEmbeddings, "resize_positional_embeddings", staticmethod(resize_as_trained))
+            return self.model.get_image_features(**inputs).pooler_output.numpy()
+
+
+def trained_resize(table: torch.Tensor, height: int, width: int) -> np.ndarray:
+    """A [side, side, dim] position table resized to [height, width, dim] as SigLIP 2 was trained (big_vision's
+    `jax.image.scale_and_translate(method="bilinear", antialias=True)`): Pillow's BILINEAR resize of each channel as a
+    float image, which is that antialiased triangle filter (its support widened by the scale when shrinking) in code
+    that shares nothing with torch, transformers or WDE."""
+    planes = [Image.fromarray(np.ascontiguousarray(table[:, :, d].detach().numpy(), np.float32))
+              .resize((width, height), Image.Resampling.BILINEAR) for d in range(table.shape[-1])]
+    return np.stack([np.asarray(plane) for plane in planes], axis=-1)
+
+
+def resize_as_trained(positional_embeddings: torch.Tensor, spatial_shapes: torch.Tensor,
+                      max_length: int) -> torch.Tensor:
+    """`Siglip2VisionEmbeddings.resize_positional_embeddings`'s contract with `trained_resize` inside: [images,
+    max_length, dim], each image's grid row by row, its padding rows a copy of the first (masked anyway)."""
+    dim = positional_embeddings.shape[-1]
+    out = torch.empty(len(spatial_shapes), max_length, dim, dtype=positional_embeddings.dtype)
+    for i, (height, width) in enumerate(spatial_shapes.tolist()):
+        resized = torch.from_numpy(trained_resize(positional_embeddings.float(), height, width)).reshape(-1, dim)
+        out[i, :height * width] = resized
+        out[i, height * width:] = resized[0]
+    return out
+
+
+def interpolated(table: torch.Tensor, height: int, width: int) -> np.ndarray:
+    """What transformers <= 5.23 computes: `F.interpolate(mode="bilinear", antialias=True)` in float32."""
+    planar = table.permute(2, 0, 1).unsqueeze(0).float()
+    out = F.interpolate(planar, size=(height, width), mode="bilinear", align_corners=False, antialias=True)
+    return out[0].permute(1, 2, 0).numpy()
+
+
+GRIDS = [(16, 1), (1, 16), (7, 2), (2, 7), (4, 4), (3, 3), (3, 5), (24, 1), (1, 24), (5, 1), (4, 1), (1, 1),
+         (12, 2), (2, 3)]
+"""Patch grids (h x w) within the tiny model's max_num_patches (24) that shrink, keep or stretch each side of its
+4 x 4 table, one patch wide or tall among them: on CPU, `F.interpolate(antialias=True)` is wrong for an output one
+column wide whose height changes."""
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +166,7 @@ def test_mixed_batch_of_variable_grids_equals_transformers(siglip2: Engine, ref:
     inputs = ref.inputs(images)
     grids = [tuple(s) for s in inputs["spatial_shapes"].tolist()]
     assert len(set(grids)) >= 8 and len({h * w for h, w in grids}) >= 4  # grids and lengths really vary
+    assert any(w == 1 and h != 4 for h, w in grids)  # a tall image one patch wide: where resizes have differed
     assert [o.num_prompt_tokens for o, m in zip(outs, is_image) if m] == [h * w for h, w in grids]
     assert all(o.prompt_token_ids == [] for o, m in zip(outs, is_image) if m)
     want_images = ref.image(images)
@@ -108,6 +176,62 @@ def test_mixed_batch_of_variable_grids_equals_transformers(siglip2: Engine, ref:
         assert np.abs(dense(siglip2, [image])[0] - want).max() <= 1e-4
     unit = siglip2.embed(images)  # the default: normalized, as Siglip2Model.forward normalizes both sides
     assert np.allclose(unit, want_images / np.linalg.norm(want_images, axis=1, keepdims=True), atol=1e-5)
+
+
+def test_every_grid_shape_equals_transformers(siglip2: Engine, ref: Reference) -> None:
+    """Prepared patch arrays of every grid in GRIDS (16 x 1, 1 x 16, 7 x 2, square, ...) in one batch and each alone
+    equal `get_image_features` with the position embeddings resized as trained."""
+    rng = np.random.default_rng(7)
+    arrays = [rng.standard_normal((h, w, PATCH_DIM)).astype(np.float32) for h, w in GRIDS]
+    want = ref.grids(arrays)
+    assert np.abs(dense(siglip2, [ImagePrompt(a, 0) for a in arrays]) - want).max() <= 1e-4
+    for (h, w), array, row in zip(GRIDS, arrays, want):
+        assert np.abs(dense(siglip2, [ImagePrompt(array, 0)])[0] - row).max() <= 1e-4, (h, w)
+
+
+@pytest.mark.parametrize("side", [4, 16])
+def test_position_table_is_resized_as_trained(side: int) -> None:
+    """WDE's resized table equals Pillow's antialiased bilinear resize (`trained_resize`) for grids that shrink,
+    keep and stretch each side, one patch wide or tall among them; resizing the transposed table to the transposed
+    grid gives the transpose (the filter is the same along both axes)."""
+    dim = 8
+    cfg = type("Cfg", (), dict(patch_size=4, num_channels=3, hidden_size=dim, num_patches=side * side))()
+    embeddings = NaFlexEmbeddings(cfg)
+    with torch.no_grad():
+        embeddings.position_embedding.weight.copy_(torch.randn(side * side, dim,
+                                                               generator=torch.Generator().manual_seed(side)))
+    table = embeddings.position_embedding.weight.detach().reshape(side, side, dim)
+    transposed = NaFlexEmbeddings(cfg)
+    with torch.no_grad():
+        transposed.position_embedding.weight.copy_(table.transpose(0, 1).reshape(side * side, dim))
+    for h, w in GRIDS + [(side, 1), (2 * side + 3, 1), (1, 2 * side + 3), (side + 5, 3), (8, 8), (32, 32)]:
+        got = embeddings.resized(h, w).detach().reshape(h, w, dim).numpy()
+        assert np.abs(got - trained_resize(table, h, w)).max() <= 1e-5, (side, h, w)
+        flipped = transposed.resized(w, h).detach().reshape(w, h, dim).numpy()
+        assert np.abs(flipped.transpose(1, 0, 2) - got).max() <= 1e-5, (side, h, w)
+
+
+def test_installed_transformers_resize() -> None:
+    """Pins down what the installed transformers' `resize_positional_embeddings` does, so a release that changes it
+    again is noticed: <= 5.23 is `F.interpolate(antialias=True)` (`interpolated`), >= 5.24 the trained resize. The
+    two agree (1e-5) on every grid more than one patch wide and on an unchanged height; on CPU, where torch's
+    antialiased kernel gives every row of a one-column output the first row's weights, they differ on the others
+    (here up to ~2 for a 16 x 1 grid), which is why WDE builds the weights itself."""
+    import transformers
+    from packaging.version import Version
+    from transformers.models.siglip2.modeling_siglip2 import Siglip2VisionEmbeddings
+
+    table = torch.randn(4, 4, 8, generator=torch.Generator().manual_seed(0))
+    since_524 = Version(transformers.__version__).release >= (5, 24)
+    for h, w in GRIDS:
+        shapes = torch.tensor([[h, w]])
+        got = Siglip2VisionEmbeddings.resize_positional_embeddings(table, shapes, h * w)[0].reshape(h, w, -1).numpy()
+        trained, interp = trained_resize(table, h, w), interpolated(table, h, w)
+        assert np.abs(got - (trained if since_524 else interp)).max() <= 1e-5, (transformers.__version__, h, w)
+        if w > 1 or h == 4:
+            assert np.abs(interp - trained).max() <= 1e-5, (h, w)
+        else:  # right, or torch's CPU defect: every row a copy of the first
+            assert np.abs(interp - trained).max() <= 1e-5 or (interp == interp[:1]).all(), (h, w)
 
 
 def test_encoded_files_equal_transformers(siglip2: Engine, ref: Reference) -> None:

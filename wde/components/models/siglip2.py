@@ -5,11 +5,12 @@ What differs from SigLIP (wde/components/models/clip.py) is the vision embedding
 `Siglip2VisionEmbeddings`: an image arrives already cut into patches ([h_patches, w_patches, 3 * p * p], by
 wde/components/naflex.py), each patch is embedded by a Linear layer, and the learned position embeddings (a
 sqrt(num_patches) square grid) are resized to the image's own grid with antialiased bilinear interpolation
-(`resize_positional_embeddings`). transformers pads every image to `max_num_patches` and masks the padding in the
-encoder and the pooling head with `pixel_attention_mask`; WDE packs each image as a sequence of exactly its
-h x w patches through the same varlen attention as texts, so there is no padding to mask, and the attention-pooling
-head attends to the image's own patches only. The results equal transformers' `get_image_features` /
-`get_text_features` (tests/test_siglip2.py).
+(`resize_positional_embeddings`; how, and why not through `F.interpolate`: `antialiased_bilinear_weights`).
+transformers pads every image to `max_num_patches` and masks the padding in the encoder and the pooling head with
+`pixel_attention_mask`; WDE packs each image as a sequence of exactly its h x w patches through the same varlen
+attention as texts, so there is no padding to mask, and the attention-pooling head attends to the image's own patches
+only. The results equal transformers' `get_image_features` / `get_text_features` with the position embeddings resized
+as the model was trained (tests/test_siglip2.py).
 
 An image batch's `pixel_values` is [num_images, H, W, 3 * p * p], each image's grid at the top left (the
 `packed_multimodal` builder zero-pads grids of different shapes to the largest); an image's placeholder token ids
@@ -21,7 +22,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from wde.components.model_input_builder import ModelInput
@@ -61,13 +61,34 @@ class NaFlexEmbeddings(nn.Module):
         return torch.cat([resized[grid] for grid in grids])
 
     def resized(self, height: int, width: int) -> torch.Tensor:
-        """`Siglip2VisionEmbeddings.resize_positional_embeddings` for one grid: the square table resized to
-        height x width (bilinear, antialiased, in float32), [height * width, hidden] row by row."""
+        """The square table resized to height x width (bilinear, antialiased, in float32), [height * width, hidden]
+        row by row: one weight matrix per axis (`antialiased_bilinear_weights`), so [h, side] @ table @ [side, w]."""
         weight = self.position_embedding.weight
         dim = weight.shape[-1]
-        table = weight.reshape(self.side, self.side, dim).permute(2, 0, 1).unsqueeze(0).to(torch.float32)
-        out = F.interpolate(table, size=(height, width), mode="bilinear", align_corners=False, antialias=True)
-        return out.reshape(dim, height * width).transpose(0, 1).to(weight.dtype)
+        table = weight.reshape(self.side, self.side, dim).to(torch.float32)
+        rows = antialiased_bilinear_weights(self.side, height).to(weight.device)
+        cols = antialiased_bilinear_weights(self.side, width).to(weight.device)
+        by_rows = (rows @ table.reshape(self.side, self.side * dim)).reshape(height, self.side, dim)
+        out = torch.matmul(cols, by_rows)  # [w, side] @ [h, side, dim] -> [h, w, dim]
+        return out.reshape(height * width, dim).to(weight.dtype)
+
+
+def antialiased_bilinear_weights(size_in: int, size_out: int) -> torch.Tensor:
+    """[size_out, size_in] float32 weights of antialiased bilinear resizing along one axis, as SigLIP 2 was trained:
+    big_vision's NaFlex ViT resizes its position table with `jax.image.scale_and_translate(method="bilinear",
+    antialias=True)`. Output i samples the input at (i + 0.5) * scale - 0.5 (scale = size_in / size_out) with a
+    triangle kernel widened to `scale` input cells when shrinking, its weights normalized to sum 1; Pillow's
+    BILINEAR resize, `F.interpolate(mode="bilinear", antialias=True)` and transformers >= 5.24 define the same.
+
+    Not `F.interpolate` itself: on CPU its antialiased kernel gives a wrong result whenever the output is one column
+    wide and the height changes (torch 2.13; every output row takes the first row's weights, so a 16 x 1 grid gets
+    16 copies of one embedding), which SigLIP 2 meets for every tall, narrow image. transformers <= 5.23 calls it, so
+    on CPU it has that defect; transformers 5.24 builds these same weights (docs/images.md, tests/test_siglip2.py)."""
+    scale = size_in / size_out
+    center = (torch.arange(size_out, dtype=torch.float64) + 0.5) * scale - 0.5
+    source = torch.arange(size_in, dtype=torch.float64)
+    weights = (1 - (source[None, :] - center[:, None]).abs() / max(scale, 1.0)).clamp(min=0)
+    return (weights / weights.sum(dim=1, keepdim=True)).to(torch.float32)
 
 
 class Siglip2Model(SiglipModel):
