@@ -291,6 +291,14 @@ def image_limit_overrides(**limits: float | None) -> list[str]:
                    " data:image/...;base64 URIs (docs/images.md)")
 @click.option("--image-fetch-timeout", default=10.0, show_default=True, type=float,
               metavar="SECONDS", help="the most one image fetch (--allow-image-fetch) may take in all; then it is 400")
+@click.option("--image-fetch-max-urls", default=64, show_default=True, type=int, metavar="N",
+              help="the most image URLs one request may name; more are refused (422) before any is fetched")
+@click.option("--image-fetch-max-bytes", default=32 * 2**20, show_default=True, type=int, metavar="BYTES",
+              help="the most bytes the image fetches of one request may bring in together; past them it is 413")
+@click.option("--image-fetch-deadline", default=30.0, show_default=True, type=float, metavar="SECONDS",
+              help="the most all the image fetches of one request may take together; then they stop and it is 400")
+@click.option("--image-fetch-connections", default=32, show_default=True, type=int, metavar="N",
+              help="connections for fetching images the server holds at once, all requests together")
 @click.option("--max-image-pixels", default=None, type=click.IntRange(min=1), metavar="PIXELS",
               help="image-text models: refuse an image whose header says width x height is over this (413) before"
                    " decoding it (default 33,554,432; input_processor.params.max_image_pixels)")
@@ -308,7 +316,9 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, api_key
           max_concurrent_requests: int, payload_limit: int | None, trust_remote_code: bool, access_log: bool,
           quantization_ranges: str | None, api_servers: str, token_id_inputs: bool, request_timeout: float,
           stall_timeout: float, header_timeout: float, body_timeout: float, allowed_origins: tuple[str, ...],
-          allow_image_fetch: tuple[str, ...], image_fetch_timeout: float, max_image_pixels: int | None,
+          allow_image_fetch: tuple[str, ...], image_fetch_timeout: float, image_fetch_max_urls: int,
+          image_fetch_max_bytes: int, image_fetch_deadline: float, image_fetch_connections: int,
+          max_image_pixels: int | None,
           max_image_aspect_ratio: float | None, max_request_image_pixels: int | None, log_level: str) -> None:
     """Serve a workflow over HTTP (OpenAI, rerank and TEI-compatible routes; images too for CLIP and SigLIP).
 
@@ -335,7 +345,9 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, api_key
                               header_timeout=header_timeout, body_timeout=body_timeout,
                               allowed_origins=tuple(_split_list(allowed_origins)),
                               allow_image_fetch=tuple(_split_list(allow_image_fetch)),
-                              image_fetch_timeout=image_fetch_timeout, log_level=log_level)
+                              image_fetch_timeout=image_fetch_timeout, image_fetch_max_urls=image_fetch_max_urls,
+                              image_fetch_max_bytes=image_fetch_max_bytes, image_fetch_deadline=image_fetch_deadline,
+                              image_fetch_connections=image_fetch_connections, log_level=log_level)
     except LimitError as e:  # a start-up refusal like any other: one line naming the option, exit 1
         raise click.ClickException(e.message(e.option)) from None
     except ValueError as e:

@@ -18,13 +18,15 @@ from wde.server.image_inputs import IMAGE_MODELS, check_one_part, image_inputs, 
 from wde.server.protocol import ChatEmbeddingRequest, ImagePart, TextPart
 
 if TYPE_CHECKING:
+    from fastapi import Request
+
     from wde.server.service import Service
 
 BATCH_HINT = ("for a batch, send /v2/embed with `images` (or `inputs`), or /embeddings with `modality: \"image\"`"
               " and a list of images")
 
 
-async def chat_input(svc: "Service", body: ChatEmbeddingRequest) -> tuple[Any, str]:
+async def chat_input(svc: "Service", request: "Request", body: ChatEmbeddingRequest) -> tuple[Any, str]:
     """The one engine input of a chat-style body and the name its errors go by."""
     for option in ("chat_template", "chat_template_kwargs", "mm_processor_kwargs"):
         if getattr(body, option) is not None:
@@ -59,7 +61,7 @@ async def chat_input(svc: "Service", body: ChatEmbeddingRequest) -> tuple[Any, s
     if isinstance(part, TextPart):
         return text_input(part.text), f"{where}[0].text"
     name = f"{where}[0].image_url"
-    (image,) = await image_inputs(svc, [part.image_url.url], [name])
+    (image,) = await image_inputs(svc, request, [part.image_url.url], [name], "messages")
     return image, name
 
 

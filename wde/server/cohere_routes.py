@@ -107,11 +107,12 @@ def _add_text(out: _Inputs, body: CohereEmbedRequest, text: str, name: str) -> N
     out.texts.append(text)
 
 
-async def _resolve(svc: Service, out: _Inputs) -> None:
+async def _resolve(request: Request, svc: Service, out: _Inputs) -> None:
     """Fill in the engine inputs of the images (data: URIs as they are, allowed URLs fetched)."""
     if not out.images:
         return
-    resolved = iter(await image_inputs(svc, [v for v, _ in out.images], [n for _, n in out.images]))
+    resolved = iter(await image_inputs(svc, request, [v for v, _ in out.images], [n for _, n in out.images],
+                                       out.field, len(out.items)))
     out.items = [next(resolved) if item is None else item for item in out.items]
 
 
@@ -130,7 +131,7 @@ async def embed(request: Request) -> JSONResponse:
     params = PoolingParams(truncate=truncate, truncation_direction=direction,  # type: ignore[arg-type]
                            prompt_name=prompt_name(body.input_type, prompts), dimensions=body.output_dimension,
                            outputs=("dense",))
-    await _resolve(svc, inputs)
+    await _resolve(request, svc, inputs)
     result = await svc.run(request, inputs.items, params, inputs.field, inputs.names, images=True)
     floats = [np.asarray(v, dtype=np.float32) for v in result.dense]
     embeddings: dict[str, list] = {}

@@ -58,6 +58,17 @@ class ServerConfig:
     client can never make the server connect anywhere (no SSRF). See wde/server/image_fetch.py."""
     image_fetch_timeout: float = 10.0
     """Seconds one image fetch may take in all (connecting, redirects, the whole body); then it is refused (400)."""
+    image_fetch_max_urls: int = 64
+    """Image URLs one request may name; more are refused (422) before the first fetch."""
+    image_fetch_max_bytes: int = 32 * 2**20
+    """Bytes all the image fetches of one request may bring in together; past them it is refused (413) and its
+    other fetches cancelled, so no request holds more fetched bytes than this."""
+    image_fetch_deadline: float = 30.0
+    """Seconds all the image fetches of one request may take together; then they are cancelled and it is refused
+    (400, as OpenAI answers an image URL it could not download in time)."""
+    image_fetch_connections: int = 32
+    """Connections the server (each API server process) holds for fetching images at once, all requests together;
+    further fetches wait for one, within their request's deadline."""
 
     def engine_args(self) -> dict[str, object]:
         """What `Engine.from_workflow` / `wde.engine.resolve` are given to build what this server serves."""
@@ -124,11 +135,14 @@ AT_LEAST_ONE = {
     "max_client_batch_size": "a request with no input is refused anyway",
     "max_concurrent_requests": "with 0 every request would be answered 429",
     "payload_limit": "a body limit of 0 bytes refuses every request",
+    "image_fetch_max_urls": "with 0 every image URL would be refused",
+    "image_fetch_max_bytes": "with 0 every fetched image would be refused",
+    "image_fetch_connections": "with 0 no image could be fetched",
 }
 """Integer settings whose minimum is 1, with why a smaller value is meaningless."""
 SECONDS_OR_ZERO = ("request_timeout", "stall_timeout", "header_timeout", "body_timeout")
 """Timeouts in seconds where 0 means no limit (a negative one would expire before anything happens)."""
-SECONDS_ABOVE_ZERO = ("image_fetch_timeout",)
+SECONDS_ABOVE_ZERO = ("image_fetch_timeout", "image_fetch_deadline")
 """Timeouts in seconds that must leave some time (there is no "no limit" for a fetch)."""
 
 

@@ -12,11 +12,14 @@ Texts that travel next to images go to the engine as `{"text": ...}`, so a capti
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from wde.server.errors import ApiError
 
 if TYPE_CHECKING:
+    from fastapi import Request
+
     from wde.server.service import Service
 
 IMAGE_MODELS = "an image-text model such as CLIP or SigLIP (docs/images.md)"
@@ -47,9 +50,16 @@ def text_input(text: str) -> dict[str, str]:
     return {"text": text}
 
 
-async def image_inputs(svc: "Service", values: Sequence[Any], names: Sequence[str]) -> list[str | bytes]:
+async def image_inputs(svc: "Service", request: "Request", values: Sequence[Any], names: Sequence[str], field: str,
+                       total: int | None = None) -> list[str | bytes]:
     """The engine inputs of image references `values` (data: URIs as they are, allowed URLs fetched), or the
-    `ApiError` naming the first one that cannot be served."""
+    `ApiError` naming the first one that cannot be served.
+
+    `field` is the request's field of inputs and `total` how many inputs the request carries (`values`' count when
+    not given): the batch limit is checked on it before anything is fetched. URLs are fetched under one of the
+    server's request slots (--max-concurrent-requests: a request fetching is a request in flight, so the slots
+    bound how many fetch at once), and given up, connections closed, as soon as the client hangs up."""
+    svc.check_batch_size(len(values) if total is None else total, field)
     inputs: list[str | bytes | None] = []
     urls: list[tuple[int, str, str]] = []
     for i, (value, name) in enumerate(zip(values, names)):
@@ -79,8 +89,32 @@ async def image_inputs(svc: "Service", values: Sequence[Any], names: Sequence[st
         else:
             raise ApiError("bad_image", f"{name} is neither a data:image/...;base64,... URI nor an image URL", name)
     if urls:
-        assert svc.fetcher is not None
-        bodies = await svc.fetcher.fetch_all([u for _, u, _ in urls], [n for _, _, n in urls])
+        from wde.server.service import unless_disconnected
+
+        fetcher = svc.fetcher
+        assert fetcher is not None
+        links, fields = [u for _, u, _ in urls], [n for _, _, n in urls]
+        fetcher.vet(links, fields, field)  # their number and every URL, before a slot is taken
+        with request_slot(svc.engine):
+            bodies = await unless_disconnected(request, fetcher.fetch_all(links, fields, field))
         for (i, _, _), body in zip(urls, bodies):
             inputs[i] = body
     return inputs  # type: ignore[return-value]
+
+
+@contextmanager
+def request_slot(engine: Any) -> Iterator[None]:
+    """Hold one of the engine's request slots (`max_concurrent_requests`, counted in `active_calls`, as `encode`
+    counts the requests it serves) while the block runs, or refuse (429) when none is free. So requests fetching
+    and requests in the engine share the one limit, and no more requests fetch at once than it allows. The slot is
+    released as the fetched inputs go to `encode`, which takes its own when its task starts, one loop iteration
+    later: in that gap another request may take the last slot, and this one is answered 429 as any request is
+    when the server is full."""
+    if engine.active_calls >= engine.max_concurrent_requests:
+        raise ApiError("overloaded", f"the server is overloaded: {engine.active_calls} requests in flight, the limit"
+                       f" is {engine.max_concurrent_requests}; retry later")
+    engine.active_calls += 1
+    try:
+        yield
+    finally:
+        engine.active_calls -= 1

@@ -47,7 +47,7 @@ async def embeddings(request: Request) -> JSONResponse:
                            " chat-style request, one vector per request)", "messages")
         svc.check_model(chat.model)
         svc.require("dense", request.url.path)
-        item, name = await chat_input(svc, chat)
+        item, name = await chat_input(svc, request, chat)
         if chat.prompt_name is not None and not isinstance(item, dict):  # texts are {"text": ...}
             raise ApiError("validation", f"prompt_name applies to texts, and {name} is an image; leave it out",
                            "prompt_name")
@@ -67,7 +67,8 @@ async def embeddings(request: Request) -> JSONResponse:
         if body.prompt_name is not None:
             raise ApiError("validation", "prompt_name applies to texts, and with modality 'image' every input is an"
                            " image; leave it out", "prompt_name")
-        return await _embed(request, svc, body, await image_inputs(svc, values, names), names, images=True)
+        inputs = await image_inputs(svc, request, values, names, "input")
+        return await _embed(request, svc, body, inputs, names, images=True)
     svc.require("dense", request.url.path)
     return await _embed(request, svc, body, embed_items(body.input), item_names("input", body.input))
 

@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 from fastapi import Request
@@ -24,7 +24,7 @@ from wde.model_source import DEFAULT_MODEL
 from wde.request import PoolingParams, RequestOutput
 from wde.server.config import ServerConfig
 from wde.server.errors import ApiError, ErrorKind, request_id
-from wde.server.image_fetch import ImageFetcher
+from wde.server.image_fetch import FetchLimits, ImageFetcher
 from wde.server.metrics import ServerMetrics
 
 _NEEDS = {
@@ -97,8 +97,8 @@ class Service:
         self.takes_images = isinstance(processor, ImageTextInputProcessor)
         """Whether the workflow embeds images too (CLIP, SigLIP): the image inputs of the routes need it."""
         self.max_image_bytes: int | None = processor.params.max_image_bytes if self.takes_images else None
-        self.fetcher = (ImageFetcher(config.allow_image_fetch, self.max_image_bytes, config.image_fetch_timeout)
-                        if self.takes_images and config.allow_image_fetch else None)
+        self.fetcher = (ImageFetcher(config.allow_image_fetch, fetch_limits(config, self.max_image_bytes))
+                        if config.allow_image_fetch and self.max_image_bytes is not None else None)
         """Fetches image URLs from the --allow-image-fetch hosts; None (every URL refused) unless some are named."""
         if config.allow_image_fetch and not self.takes_images:
             log.warning("--allow-image-fetch has no effect: workflow %r embeds text only, and images sent to it are"
@@ -138,6 +138,14 @@ class Service:
         outputs = self.supported
         main = tuple(o for o in outputs if o != "token_embeddings")
         return main or outputs
+
+    def check_batch_size(self, count: int, field: str) -> None:
+        """The 422 for a request of more inputs than `max_client_batch_size` (`field` holds them); routes whose
+        images are fetched check it before the first fetch."""
+        limit = self.config.max_client_batch_size
+        if count > limit:
+            raise ApiError("validation", f"batch size {count} > maximum allowed batch size {limit}"
+                           f" ({field} has {count} inputs; the limit is {limit})", field)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != UNSET_MODEL and name not in self.model_names:
@@ -181,10 +189,7 @@ class Service:
         start = time.perf_counter()
         if not inputs:
             raise ApiError("empty", f"{field} is empty: send at least one input", field)
-        limit = self.config.max_client_batch_size
-        if len(inputs) > limit:
-            raise ApiError("validation", f"batch size {len(inputs)} > maximum allowed batch size {limit}"
-                           f" ({field} has {len(inputs)} inputs; the limit is {limit})", field)
+        self.check_batch_size(len(inputs), field)
         names = input_names(names if names is not None else field, len(inputs))
         if not self.config.token_id_inputs:
             for item, name in zip(inputs, names):
@@ -201,7 +206,7 @@ class Service:
         rid = request_id(request)
         timeout = self.config.request_timeout or None
         try:
-            outputs = await _unless_disconnected(request, self.engine.encode(inputs, params, names, rid, timeout))
+            outputs = await unless_disconnected(request, self.engine.encode(inputs, params, names, rid, timeout))
         except RequestError as e:
             raise api_error(e) from None
         except EngineOverloaded as e:
@@ -245,6 +250,13 @@ class Service:
             ids, skip_special_tokens=skip_special_tokens))
 
 
+def fetch_limits(config: ServerConfig, max_image_bytes: int) -> FetchLimits:
+    """The --image-fetch-* limits of `config` for a model taking images of up to `max_image_bytes`."""
+    return FetchLimits(image_bytes=max_image_bytes, timeout=config.image_fetch_timeout,
+                       max_urls=config.image_fetch_max_urls, total_bytes=config.image_fetch_max_bytes,
+                       deadline=config.image_fetch_deadline, connections=config.image_fetch_connections)
+
+
 def is_token_ids(item: Any) -> bool:
     """Whether an engine input is token ids (`{"token_ids": [...]}` or a bare list of ints) rather than text."""
     if isinstance(item, Mapping):
@@ -272,8 +284,9 @@ def _name_of(name: str | tuple[str, str], error_field: str | None) -> str:
     return name[0] if (error_field or "").endswith("[0]") else name[1]
 
 
-async def _unless_disconnected(request: Request, work: Any) -> list[RequestOutput]:
-    """Await the engine, but give up (cancelling, hence aborting, the work) if the client disconnects."""
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await the engine (or a request's image fetches), but give up (cancelling, hence aborting, the work) if the
+    client disconnects."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
