@@ -90,7 +90,7 @@ def test_a_strip_let_through_costs_only_its_crop_at_clip_real_size(clip_path: Pa
     with Engine.from_workflow("clip", clip_path, input_processor=params) as engine:
         real = dataclasses.replace(engine.input_processor.preprocessor, size=(("shortest_edge", 224),),
                                    crop_size=(224, 224))
-        for size in [(1, 100_000), (100_000, 1)]:
+        for size in [(1, 2_000), (1, 100_000), (100_000, 1)]:  # resized whole, 1 x 2,000 alone would take 955 MB
             image = Image.open(io.BytesIO(strip(*size)))
             pixels, growth = peak_rss_growth(lambda: real(image))
             assert pixels.shape == (3, 224, 224) and np.isfinite(pixels).all()
@@ -304,3 +304,16 @@ def test_health_and_texts_are_answered_while_a_request_of_images_decodes(served:
             gate.open.set()
             busy.join(120)
     assert holder and holder[0].status_code == 200 and len(holder[0].json()["data"]) == 16
+
+
+def test_serve_options_are_the_input_processor_params() -> None:
+    from click.testing import CliRunner
+
+    from wde.cli import image_limit_overrides, main
+
+    assert image_limit_overrides(max_image_pixels=1000, max_image_aspect_ratio=None, max_request_image_pixels=5) == [
+        "input_processor.params.max_image_pixels=1000", "input_processor.params.max_request_image_pixels=5"]
+    for option, value in [("--max-image-aspect-ratio", "0.5"), ("--max-image-pixels", "0"),
+                          ("--max-request-image-pixels", "-3")]:
+        result = CliRunner().invoke(main, ["serve", option, value])
+        assert result.exit_code == 2 and option in result.output, result.output

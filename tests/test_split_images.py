@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import io
 import threading
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, TypeVar
@@ -21,6 +22,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from PIL import Image
 
 from tests.test_server import serve_split
 from tests.tiny_clip import CAPTIONS, encoded, image_of_mode
@@ -255,7 +257,8 @@ def test_many_images_in_one_call_and_in_concurrent_calls(core: Core, clip: Engin
 
 def test_images_over_http_through_two_api_servers(clip_path: Path, clip: Engine) -> None:
     """`wde serve --api-servers 2`: OpenAI-style `messages`, Infinity's `modality: "image"` and Cohere's `images`
-    give one-process vectors; a truncated image is a 400 naming it, and the server answers on."""
+    give one-process vectors; a truncated image is a 400 naming it, and the server answers on. The image limits
+    given as options hold in the API servers: a request's pixel budget and the aspect ratio, 413 naming the input."""
     pictures = [png(200), png(201, "RGBA"), png(202, "P")]
     uris = ["data:image/png;base64," + base64.b64encode(p).decode() for p in pictures]
     truncated = "data:image/png;base64," + base64.b64encode(png(203)[:400]).decode()
@@ -267,7 +270,9 @@ def test_images_over_http_through_two_api_servers(clip_path: Path, clip: Engine)
         rows = body["data"] if "data" in body else body["embeddings"]["float"]
         return np.array([row["embedding"] for row in rows] if "data" in body else rows, dtype=np.float32)
 
-    with serve_split(clip_path, 2) as (url, _):
+    assert sum(Image.open(io.BytesIO(p)).width * Image.open(io.BytesIO(p)).height for p in pictures) <= 4000
+    limits = ("--max-request-image-pixels", "4000", "--max-image-aspect-ratio", "100")
+    with serve_split(clip_path, 2, *limits) as (url, _):
         message = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uris[0]}}]}]
         r = httpx.post(f"{url}/v1/embeddings", json={"messages": message}, timeout=60)
         assert np.abs(dense(r) - want[:1]).max() <= 1e-6
@@ -287,3 +292,9 @@ def test_images_over_http_through_two_api_servers(clip_path: Path, clip: Engine)
         assert bad.status_code == 400 and "images[1]" in str(error) and "truncated or corrupt" in str(error), bad.text
         r = httpx.post(f"{url}/v2/embed", json={"images": uris[1:], "embedding_types": ["float"]}, timeout=60)
         assert np.abs(dense(r) - want[1:]).max() <= 1e-6
+        over = httpx.post(f"{url}/embeddings", json={"input": uris + uris[:1], "modality": "image"}, timeout=60)
+        assert over.status_code == 413 and over.json()["error"]["param"] == "input[3]", over.text
+        assert "the limit per request is 4000 (input_processor.params.max_request_image_pixels)" in over.text
+        strip = "data:image/png;base64," + base64.b64encode(encoded(image_of_mode("L", 1, 150))).decode()
+        long = httpx.post(f"{url}/embeddings", json={"input": [strip], "modality": "image"}, timeout=60)
+        assert long.status_code == 413 and "aspect ratio of 150:1; the limit is 100:1" in long.text, long.text
