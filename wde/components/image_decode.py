@@ -52,7 +52,7 @@ class ImageDecoder:
         processor: the `image_text` workflows); None for a workflow that takes texts only."""
         if getattr(engine.input_processor, "preprocess", None) is None:
             return None
-        return cls(engine.components["request_processor"], engine.scheduler.token_budget)
+        return cls(engine.components["request_processor"], getattr(engine.scheduler, "token_budget", engine.max_length))
 
     @staticmethod
     def wanted(requests: Sequence[Request]) -> bool:

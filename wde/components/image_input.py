@@ -1,11 +1,13 @@
 """Image inputs for two-tower embedders (CLIP, SigLIP, SigLIP 2 NaFlex): what counts as an image, decoding it
 safely, and turning it into the model's pixel values exactly as its image processor would.
 
-Admission (`Engine.make_request`) only checks an image: its byte size, its base64, and its header (a format
-Pillow reads, width x height within the pixel limit, a supported mode). Decoding and preprocessing wait until the
-scheduler picks the request, as tokenization does for texts: the `image_text` request processor calls
-`ImageTextInputProcessor.preprocess` on its worker threads (large images on the scheduler's background thread),
-never in the model step, which only sees finished float32 arrays. Nothing here imports torch.
+Admission (`Engine.make_request`) only checks an image: its byte size, its base64, its first bytes (a format in
+`image_formats`) and its header (width x height and aspect ratio within the limits, a supported mode;
+wde/components/image_limits.py). Decoding and preprocessing come later: offline, when the scheduler picks the
+request, as tokenization does for texts (the `image_text` request processor calls
+`ImageTextInputProcessor.preprocess` on its worker threads, large images on the scheduler's background thread);
+served, before the call enters the engine (wde/components/image_decode.py, or an API server in split mode). The
+model step only sees finished float32 arrays. Nothing here imports torch.
 
 Preprocessing follows the model folder's `preprocessor_config.json`, read by transformers itself (so legacy keys
 such as `"size": 224` mean what they mean there), and reproduces transformers' PIL backend step by step: convert
@@ -16,8 +18,9 @@ resizes with torch's antialiased bicubic and differs from both by a few intensit
 processor (`Siglip2ImageProcessor`) keeps each image's aspect ratio and cuts it into a patch grid whose size varies
 per image (wde/components/naflex.py); admission then computes each image's length from its header.
 
-An image request refused here raises `RequestError` naming the input, with kind "bad_image" (not an image,
-truncated or corrupt, an unsupported mode, an image URL) or "image_too_large" (over the byte or pixel limit).
+An image request refused here raises `RequestError` naming the input, with kind "bad_image" (not an image, a
+format outside the allow-list, truncated or corrupt, an unsupported mode, an image URL) or "image_too_large" (over
+the byte, pixel or aspect-ratio limit, or a request's images over its pixel budget).
 """
 
 from __future__ import annotations
@@ -322,10 +325,11 @@ class ImageTextInputProcessor(TextInputProcessor):
     string, or (with `allow_local_paths`) a file path string. Image URLs are refused (no fetching: no SSRF).
     Prompts (`prompt_name`) apply to texts only.
 
-    Admission stays cheap, as for texts (which are tokenized only when scheduled): the byte limit, the base64, and
-    the file's header (a format Pillow reads, width x height within the pixel limit, a supported mode) are checked
-    here; `preprocess` decodes and turns it into pixel values when the scheduler picks it (the `image_text` request
-    processor, on its worker threads). So a queue of pending images holds their files, not their pixels.
+    Admission stays cheap, as for texts (which are tokenized only when scheduled): the byte limit, the base64, the
+    format (from the first bytes) and the file's header (pixel and aspect-ratio limits, a supported mode) are
+    checked here, and `check_request` sums a served call's pixels; `preprocess` decodes and turns it into pixel
+    values later (offline when the scheduler picks it; served before the call enters the engine). So a queue of
+    pending images holds their files, not their pixels.
     """
 
     name = "image_text_input"

@@ -3,7 +3,9 @@ SigLIP; docs/images.md):
 
 - `image_text` (request processor): tokenizes texts as `lazy_tokenize` does (optionally padded to the max length,
   as SigLIP's text tower expects), and decodes and preprocesses the images the scheduler picks (admission only
-  checked them), on worker threads; an image counts its vision-tower length against the token budget;
+  checked them), on worker threads; an image counts its vision-tower length against the token budget. A served
+  call's images reach it already decoded (wde/components/image_decode.py runs this same `process` on them before
+  the call enters the engine), so in a server it only checks and passes on their pixel values;
 - `packed_multimodal` (model input builder): packs a mixed batch as one `ModelInput`: an image is one sequence of
   placeholder tokens (its patches, plus a class token where the model has one) with its pixels in
   `ModelInput.pixel_values` (NaFlex patch grids of different shapes zero-padded to one) and `image_mask` marking
