@@ -49,7 +49,8 @@ class CoreClient:
     """`start()` it on the event loop that will call `encode`, `stop()` it when done."""
 
     def __init__(self, frontend: Frontend, address: str, max_concurrent_requests: int = 512, *,
-                 tag: str = "", on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 tag: str = "", routing_id: bytes | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.frontend = frontend
         self.info: EngineInfo = frontend.info
         self.tokenizer = frontend.tokenizer
@@ -64,6 +65,9 @@ class CoreClient:
         """Restarts of the core's loop this API server saw fail its requests (the core's own count is a metric)."""
         self.error: BaseException | None = None
         self._tag = tag
+        self.routing_id = routing_id
+        """How the core names this client (unique per API-server process: the launcher names a dead one in
+        `wire.Gone`); None: ZeroMQ picks one."""
         self._ids = itertools.count()
         self._waiting: dict[str, _Waiting] = {}
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wde-tokenize")
@@ -76,7 +80,8 @@ class CoreClient:
         self._heartbeat = Heartbeat(path, writer=False) if path is not None else None
 
     def start(self) -> None:
-        self._sock = socket(self.address, zmq.DEALER, bind=False, context=zmq.asyncio.Context.instance())
+        self._sock = socket(self.address, zmq.DEALER, bind=False, context=zmq.asyncio.Context.instance(),
+                            routing_id=self.routing_id)
         monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._tasks = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._watch(monitor))]
 

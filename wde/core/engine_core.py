@@ -8,6 +8,11 @@ steps it drains every message that arrived, so batches form from all API servers
 reset and the loop goes on; past the restart budget the core exits with `EXIT_GAVE_UP`. After every step, and
 every `IDLE_POLL_MS` while idle, it beats its heartbeat (`wde.core.heartbeat`), a file the API servers read to see
 a core that is stuck in a step or frozen.
+
+An API server process that dies takes its callers' connections with it; the launcher restarts it under a new
+routing id and tells the core (`wire.Gone`), which drops that server's queued requests and forgets the rest (their
+results go nowhere), so a dead server leaves nothing behind in the queue, and a message of it that arrives late is
+ignored.
 """
 
 from __future__ import annotations
@@ -35,10 +40,14 @@ EXIT_GAVE_UP = 3
 """Exit code after the loop failed more often than the restart budget allows (as `wde serve`'s)."""
 
 
-def socket(address: str, kind: int, bind: bool, context: zmq.Context | None = None) -> zmq.Socket:
+def socket(address: str, kind: int, bind: bool, context: zmq.Context | None = None, *,
+           routing_id: bytes | None = None) -> zmq.Socket:
     """A socket for the core's link: no send/receive limit (a full queue would drop or block answers) and no
-    linger (a closing process never waits on a dead peer)."""
+    linger (a closing process never waits on a dead peer). `routing_id`: how the core's ROUTER names this peer
+    (an API server's, so the launcher can name it in `wire.Gone`)."""
     sock = (context or zmq.Context.instance()).socket(kind)
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.LINGER, 0)
@@ -56,6 +65,8 @@ class EngineCore:
         self.stopping = False
         self._owners: dict[str, bytes] = {}
         """Request id → identity of the API server waiting for it."""
+        self._gone: set[bytes] = set()
+        """Identities of API servers that died (`wire.Gone`): their late messages are dropped."""
         path = heartbeat_path(address)
         self.heartbeat = Heartbeat(path)
         """Beaten after every step and idle poll; a file next to the socket (ipc addresses) for the API servers."""
@@ -98,6 +109,8 @@ class EngineCore:
             except zmq.Again:
                 return
             identity = frame.bytes
+            if identity in self._gone:
+                continue
             message = wire.to_core.decode(payload.buffer)
             if isinstance(message, wire.Submit):
                 for a in message.requests:
@@ -105,10 +118,24 @@ class EngineCore:
                     scheduler.add(core_request(a.request_id, a.token_ids, a.token_type_ids, a.params))
             elif isinstance(message, wire.SubmitImages):
                 self._add_images(identity, message.requests)
+            elif isinstance(message, wire.Gone):
+                self.forget(message.routing_id)
             else:
                 for rid in message.request_ids:
                     if self._owners.pop(rid, None) is not None:
                         self.engine.abort(rid)
+
+    def forget(self, identity: bytes) -> int:
+        """Drop every request of the API server `identity` (its process died) and ignore its messages from now on;
+        returns how many were dropped. Queued ones leave the scheduler; one in a running batch finishes, and its
+        result goes nowhere."""
+        self._gone.add(identity)
+        dropped = [rid for rid, owner in self._owners.items() if owner == identity]
+        for rid in dropped:
+            del self._owners[rid]
+            self.engine.abort(rid)
+        log.debug("API server %s went away; dropped its %d requests", identity.decode(errors="replace"), len(dropped))
+        return len(dropped)
 
     def _add_images(self, identity: bytes, images: list[wire.AdmittedImage]) -> None:
         """Queue images preprocessed by an API server; answer those whose pixel values this model refuses now."""

@@ -1,10 +1,11 @@
 """Messages between API servers and the engine core: msgpack through msgspec, arrays as raw bytes.
 
 An API server sends `Submit` (tokenized texts), `SubmitImages` (images it decoded and preprocessed: their pixel
-values) and `Abort`; the core answers with `Results`. A numpy array of any dtype and shape travels as a msgpack
-extension (dtype, shape, bytes) and is read back without a copy, never as a float list: a CLIP 224 px image is
-3 x 224 x 224 float32 values, 602,112 bytes plus a header of a few dozen. Images have a message of their own so
-that a text's bytes on the wire are what they were before images existed.
+values) and `Abort`; the core answers with `Results`; the launcher sends `Gone` when an API server process died.
+A numpy array of any dtype and shape travels as a msgpack extension (dtype, shape, bytes) and is read back without
+a copy, never as a float list: a CLIP 224 px image is 3 x 224 x 224 float32 values, 602,112 bytes plus a header of
+a few dozen. Images have a message of their own so that a text's bytes on the wire are what they were before
+images existed.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
 
 
+class Gone(msgspec.Struct, tag=True, array_like=True):
+    """From the launcher: the API server with this ZeroMQ routing id died; the core drops what it asked for (no one
+    waits for those answers: their connections died with the process) and ignores its messages still in flight."""
+
+    routing_id: bytes
+
+
 class Output(msgspec.Struct, array_like=True):
     request_id: str
     outputs: dict[str, Any]
@@ -70,7 +78,7 @@ class Results(msgspec.Struct, tag=True, array_like=True):
     """Set when the core failed every listed request at once (its loop restarted): the reason, for a 503."""
 
 
-ToCore = Submit | SubmitImages | Abort
+ToCore = Submit | SubmitImages | Abort | Gone
 
 
 def _enc_hook(value: Any) -> Any:

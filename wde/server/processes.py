@@ -1,17 +1,26 @@
 """`wde serve --api-servers N`: the engine core in one process, N API servers in others, one port for users.
 
-The launcher binds the listening sockets first (a port in use fails at once, nothing loaded), starts the core
-(`wde.core.engine_core`), waits until its model is loaded, and hands the sockets to N API-server processes (the
-kernel spreads connections over them), then watches all of them. SIGINT/SIGTERM stop the API servers first
-(each finishes its requests in flight), then the core; the exit code is 0. If any process dies on its own, the
-rest are stopped and the exit code is 3 (`EXIT_GAVE_UP`), so a process supervisor restarts the whole server; API
-servers answer 503 meanwhile.
+The launcher checks the port and makes each API server's listening sockets first (a port in use fails at once,
+nothing loaded; `wde.server.listeners`: with `SO_REUSEPORT` each API server has sockets of its own and the kernel
+spreads connections over them), starts the core (`wde.core.engine_core`), waits until its model is loaded, starts
+N API-server processes (`wde.server.api_server`), then watches all of them.
 
-A stop signal sent to the whole process group or control group (Ctrl-C in a terminal, `kill -- -PGID`, GNU
+An API server that dies (killed, crashed, out of memory) takes the connections it holds with it: their clients
+see the connection reset, and the connections waiting in its backlog are reset too. The others keep serving; the
+launcher tells the core to drop the dead one's requests (`wire.Gone`) and starts a new process in its place, with
+one log line. That restart is limited: an API server that dies `API_RESTARTS` times within `API_RESTART_WINDOW_S`
+makes the launcher stop the server and exit 3 (`EXIT_GAVE_UP`, for a supervisor to restart the whole server), and
+one that dies before it serves `START_FAILURES` times in a row (it cannot start: its log says why) makes it exit 1
+with one line, as any start-up failure does. Restarts after a start-up failure wait `START_BACKOFF_S`, doubled
+each time. If the core dies, the API servers answer 503 and stop, and the launcher stops the rest and exits 3.
+
+SIGINT/SIGTERM stop the API servers first (each finishes its requests in flight), then the core; the exit code is
+0. A stop signal sent to the whole process group or control group (Ctrl-C in a terminal, `kill -- -PGID`, GNU
 `timeout`, systemd's default `KillMode=control-group`) reaches every process at once. The core ignores SIGTERM
 while the launcher lives and stops on `STOP_CORE` (SIGUSR1) from the launcher, after the API servers have finished
 their requests through it; an API server stops on SIGTERM whenever it comes (before its server runs, it exits at
-once); and a process that died of the same signal the launcher got is part of the stop, not a failure.
+once); and a process that died of the same signal the launcher got is part of the stop, not a failure (an API
+server sent SIGTERM alone is restarted).
 """
 
 from __future__ import annotations
@@ -29,8 +38,12 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
+from wde.core import wire
 from wde.core.engine_core import EXIT_GAVE_UP
+from wde.restarts import RestartBudget
+from wde.server.api_server import api_server_main, routing_id
 from wde.server.heap import frozen_heap
+from wde.server.listeners import SplitListeners
 from wde.server.startup import StartupError
 
 if TYPE_CHECKING:
@@ -50,6 +63,16 @@ while they still need it)."""
 SIGNAL_GRACE_S = 1.0
 """How long the launcher waits for a stop signal of its own after a child died of SIGTERM/SIGINT (a signal to the
 whole group reaches the processes in no set order)."""
+API_RESTARTS = 5
+API_RESTART_WINDOW_S = 60.0
+"""An API server that served is restarted after each death, up to `API_RESTARTS` deaths within this window (the
+next one stops the server: exit 3)."""
+START_FAILURES = 3
+"""An API server that dies before it serves this many times in a row cannot start: the launcher exits 1."""
+START_BACKOFF_S = 0.5
+"""The wait before restarting an API server that died before it served, doubled after each such death."""
+CORE_GRACE_S = 2.0
+"""How long the launcher waits to see the core's exit when an API server exits 3 (it lost the core)."""
 
 
 def default_api_servers(device: str | None = None) -> int:
@@ -67,18 +90,21 @@ def run_split_server(config: ServerConfig, api_servers: int) -> int:
     from wde.engine import resolve
     from wde.server.app import _log_to_stderr
     from wde.server.service import served_names
-    from wde.server.startup import listen, startup_line
+    from wde.server.startup import startup_line
 
     _log_to_stderr(config.log_level)
-    listeners = listen(config.host, config.port)  # before anything loads: a port in use fails at once
+    listeners = SplitListeners(config.host, config.port)  # before anything loads: a port in use fails at once
+    first: list[list[socket.socket]] = []
     workdir: str | None = None
     stopping: list[int] = []
     handlers = {sig: signal.signal(sig, lambda signum, _: stopping.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
-    procs: list[BaseProcess] = []
+    core: BaseProcess | None = None
+    apis: _ApiServers | None = None
     try:
+        first = listeners.first(api_servers)  # connections made while the model loads wait in these backlogs
         if config.port == 0:  # the port the kernel chose, for the start-up line
-            config = dataclasses.replace(config, port=listeners[0].getsockname()[1])
+            config = dataclasses.replace(config, port=listeners.port)
         resolve(**config.engine_args())  # a bad workflow fails here, by name, before any process starts
         ctx = multiprocessing.get_context("spawn")
         workdir = _workdir()
@@ -90,23 +116,23 @@ def run_split_server(config: ServerConfig, api_servers: int) -> int:
             core = ctx.Process(target=_core_main, args=(config, address, ready_child), name="wde-engine-core")
             core.start()
             ready_child.close()
-            procs.append(core)
             info = _await_ready(core, ready, stopping)
             if info is None:
                 return 0
-            for i in range(api_servers):
-                api = ctx.Process(target=_api_main, args=(config, info, address, i, listeners),
-                                  name=f"wde-api-server-{i}")
-                api.start()
-                procs.append(api)
-        for sock in listeners:  # the API servers have their own copies
-            sock.close()
-        log.info("%s; engine core pid %d", startup_line(config, info, served_names(config), api_servers), core.pid)
-        return _supervise(core, procs[1:], stopping)
+            apis = _ApiServers(ctx, config, info, address, listeners, metrics_dir)
+            apis.start(first)
+            first = []
+            log.info("%s; engine core pid %d; API server pids %s",
+                     startup_line(config, info, served_names(config), api_servers), core.pid,
+                     ", ".join(str(p.pid) for p in apis.processes()))
+            return apis.supervise(core, stopping)
     finally:
-        _stop(procs)
-        for sock in listeners:
-            sock.close()
+        for sockets in first:
+            listeners.release(sockets)
+        _stop([core, *apis.processes()] if apis is not None else [core] if core is not None else [])
+        if apis is not None:
+            apis.close()
+        listeners.close()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         if workdir is not None:
@@ -156,17 +182,154 @@ def _await_ready(core: BaseProcess, ready: Connection, stopping: list[int]) -> E
     return None
 
 
-def _supervise(core: BaseProcess, apis: list[BaseProcess], stopping: list[int]) -> int:
-    procs = [core, *apis]
-    while not stopping:
-        wait([p.sentinel for p in procs], timeout=0.5)
-        dead = [p for p in procs if not p.is_alive()]
-        if dead and not _stopped_with_us(dead, stopping):
-            for p in dead:
-                log.critical("%s (pid %d) exited with code %s; stopping the server", p.name, p.pid, p.exitcode)
-            return EXIT_GAVE_UP
-    log.info("stopping: API servers finish their requests first, then the engine core")
-    return 0
+class _Slot:
+    """API server `index`: the process in its place now, and how it has been dying."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.name = f"wde-api-server-{index}"
+        self.generation = -1
+        """Processes started in this place before the current one (its routing id is `routing_id(index, this)`)."""
+        self.proc: BaseProcess | None = None
+        self.ready: Connection | None = None
+        """The launcher's end of the pipe the process says "serving" on; closed once it did."""
+        self.serving = False
+        self.start_failures = 0
+        """Deaths before serving, in a row."""
+        self.restart_at: float | None = None
+        self.budget = RestartBudget(API_RESTARTS, API_RESTART_WINDOW_S)
+
+
+class _ApiServers:
+    """Starts the API servers, watches them with the core, and restarts the ones that die (module docstring)."""
+
+    def __init__(self, ctx: multiprocessing.context.SpawnContext, config: ServerConfig, info: EngineInfo,
+                 address: str, listeners: SplitListeners, metrics_dir: str) -> None:
+        import zmq
+
+        from wde.core.engine_core import socket as core_socket
+
+        self.ctx = ctx
+        self.config = config
+        self.info = info
+        self.address = address
+        self.listeners = listeners
+        self.metrics_dir = metrics_dir
+        self.slots: list[_Slot] = []
+        self._core = core_socket(address, zmq.DEALER, bind=False, routing_id=b"launcher")
+        """Where `wire.Gone` goes when an API server died."""
+
+    def processes(self) -> list[BaseProcess]:
+        return [s.proc for s in self.slots if s.proc is not None]
+
+    def start(self, first: list[list[socket.socket]]) -> None:
+        for i, sockets in enumerate(first):
+            self.slots.append(_Slot(i))
+            self._start(self.slots[-1], sockets)
+
+    def close(self) -> None:
+        for s in self.slots:
+            if s.ready is not None:
+                s.ready.close()
+        self._core.close(0)
+
+    def supervise(self, core: BaseProcess, stopping: list[int]) -> int:
+        while not stopping:
+            due = [s.restart_at for s in self.slots if s.restart_at is not None]
+            timeout = max(0.0, min([0.5, *(t - time.monotonic() for t in due)]))
+            waiting: list = [core.sentinel, *(p.sentinel for p in self.processes())]
+            wait(waiting + [s.ready for s in self.slots if s.ready is not None], timeout)
+            self._note_serving()
+            dead = [s for s in self.slots if s.proc is not None and not s.proc.is_alive()]
+            if any(s.proc.exitcode == EXIT_GAVE_UP for s in dead if s.proc is not None):
+                core.join(CORE_GRACE_S)  # it lost the core: is the core gone?
+            ended = [p for p in (core, *(s.proc for s in dead)) if p is not None and not p.is_alive()]
+            if ended and _stopped_with_us(ended, stopping):
+                break
+            if not core.is_alive():
+                log.critical("%s (pid %d) exited with code %s; stopping the server", core.name, core.pid,
+                             core.exitcode)
+                return EXIT_GAVE_UP
+            for s in dead:
+                if not self._replace(s):
+                    return EXIT_GAVE_UP
+            for s in self.slots:
+                if s.restart_at is not None and s.restart_at <= time.monotonic():
+                    self._start(s, self.listeners.replacement())
+        log.info("stopping: API servers finish their requests first, then the engine core")
+        return 0
+
+    def _start(self, s: _Slot, sockets: list[socket.socket]) -> BaseProcess:
+        s.generation += 1
+        s.restart_at = None
+        s.serving = False
+        ready, ready_child = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(target=api_server_main, name=s.name,
+                                args=(self.config, self.info, self.address, s.index, s.generation, sockets,
+                                      ready_child))
+        try:
+            proc.start()
+        finally:
+            ready_child.close()
+            self.listeners.release(sockets)  # the process has its own copies
+        s.proc, s.ready = proc, ready
+        return proc
+
+    def _note_serving(self) -> None:
+        for s in self.slots:
+            if s.ready is not None and s.ready.poll():
+                try:
+                    s.ready.recv()
+                    s.serving = True
+                    s.start_failures = 0
+                except EOFError:  # it died before it served: seen with its exit
+                    pass
+                s.ready.close()
+                s.ready = None
+
+    def _replace(self, s: _Slot) -> bool:
+        """Clean up after the dead API server in `s` and restart it (now, or after a back-off if it never served);
+        False when it died too often while serving (raises `StartupError` when it cannot start)."""
+        from prometheus_client import multiprocess
+
+        dead, served = s.proc, s.serving
+        assert dead is not None and dead.pid is not None
+        if s.ready is not None:
+            s.ready.close()
+        s.proc, s.ready, s.serving = None, None, False
+        multiprocess.mark_process_dead(dead.pid, self.metrics_dir)  # its live gauges leave the sums
+        self._core.send(wire.encoder.encode(wire.Gone(routing_id(s.index, s.generation))))
+        how = _ended(dead.exitcode)
+        if served:
+            if not s.budget.spend():
+                log.critical("%s (pid %d) %s, its %d%s death within %.0f s; stopping the server", s.name, dead.pid,
+                             how, s.budget.recent, _ordinal(s.budget.recent), s.budget.window_s)
+                return False
+            new = self._start(s, self.listeners.replacement())
+            log.warning("%s (pid %d) %s; restarted it as pid %d (the others kept serving)", s.name, dead.pid, how,
+                        new.pid)
+            return True
+        s.start_failures += 1
+        if s.start_failures >= START_FAILURES:
+            raise StartupError(f"{s.name} {how} before it could serve, {s.start_failures} times in a row; the log"
+                               " above says why")
+        delay = START_BACKOFF_S * 2 ** (s.start_failures - 1)
+        s.restart_at = time.monotonic() + delay
+        log.error("%s (pid %d) %s before it could serve; restarting it in %.1f s", s.name, dead.pid, how, delay)
+        return True
+
+
+def _ended(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            pass
+    return f"exited with code {exitcode}"
+
+
+def _ordinal(n: int) -> str:
+    return "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
 
 
 def _stop(procs: list[BaseProcess]) -> None:
@@ -185,7 +348,7 @@ def _stop(procs: list[BaseProcess]) -> None:
                 p.join()
 
 
-def _quieter(level: str, floor: str) -> str:
+def quieter(level: str, floor: str) -> str:
     """`level`, but no chattier than `floor` unless it is debug (API servers log uvicorn's warnings, not its
     per-process start-up lines)."""
     from wde.server.config import LOG_LEVELS
@@ -259,35 +422,3 @@ def _stop_on_launcher_signal(core: EngineCore, launcher: int) -> None:
 
     signal.signal(STOP_CORE, lambda *_: setattr(core, "stopping", True))
     signal.signal(signal.SIGTERM, on_sigterm)
-
-
-def _api_main(config: ServerConfig, info: EngineInfo, address: str, index: int,
-              listeners: list[socket.socket]) -> None:
-    """One API-server process: HTTP, validation, tokenization and response encoding; the model is elsewhere."""
-    import uvicorn
-
-    from wde.core.client import CoreClient
-    from wde.core.frontend import Frontend
-    from wde.engine import resolve
-    from wde.server.app import _log_to_stderr, create_app
-    from wde.server.timeouts import http_protocol
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    told: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, _: told.append(signum))  # told to stop before serving
-    _log_to_stderr(config.log_level)
-    workflow, source = resolve(**config.engine_args())
-    client = CoreClient(Frontend(workflow, source, info), address, config.max_concurrent_requests, tag=f"a{index}.")
-    app = create_app(client, config)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=_quieter(config.log_level, "warning"),
-                                           access_log=config.access_log,
-                                           http=http_protocol(config, app.state.service.metrics)))
-    client.on_fatal = lambda error: setattr(server, "should_exit", True)
-    # uvicorn re-raises a caught SIGTERM after its graceful shutdown into the handler in place before it ran;
-    # this one makes that a clean exit, and stops the server if the signal comes before uvicorn's handler is in.
-    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
-    if told:
-        raise SystemExit(0)
-    with frozen_heap():
-        server.run(sockets=listeners)
-    raise SystemExit(EXIT_GAVE_UP if client.error is not None else 0)
