@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests import tiny_heads
+from tests.ranking import assert_ranked
 from tests.tiny_models import varied_texts
 from wde import Engine
 from wde.errors import ModelLoadError, RequestError
@@ -57,9 +58,7 @@ def test_softmax_probs_and_labels_match_transformers(minilm_cls3: Path, texts: l
     for row, got in zip(logits, raw):
         assert max(abs(row[["neg", "neu", "pos"].index(label)] - value) for label, value in got) <= TOL
     for row, got in zip(expected, ranked):
-        order = np.argsort(-row)[:2]
-        assert [label for label, _ in got] == [LABELS[int(j)] for j in order]
-        assert np.allclose([p for _, p in got], row[order], atol=TOL)
+        assert_ranked(got, {LABELS[j]: float(p) for j, p in enumerate(row)}, tol=TOL, top_n=2)
 
 
 def test_multi_label_uses_sigmoid(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory,

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests import tiny_heads, tiny_models
+from tests.ranking import assert_ranked
 from tests.test_server import serve, serve_split
 from wde import Engine, PoolingParams
 from wde.server import ServerConfig
@@ -125,14 +126,16 @@ def test_sagemaker_invocations_and_health(url: str, classifier: tuple[str, Engin
     assert embedded.headers["x-compute-tokens"]  # TEI's timing headers, as /embed
     cls_url, cls_offline = classifier
     predicted = httpx.post(f"{cls_url}/invocations", json={"inputs": "the water is hot"}).json()
-    assert [p["label"] for p in predicted] == [label for label, _ in cls_offline.classify("the water is hot")[0]]
+    assert_ranked([(p["label"], p["score"]) for p in predicted], dict(cls_offline.classify("the water is hot")[0]))
     assert set(predicted[0]) == {"score", "label"}
     rr_url, rr_offline = reranker
     ranked = httpx.post(f"{rr_url}/invocations", json={"query": QUERY, "texts": DOCS, "return_text": True}).json()
-    assert [r["index"] for r in ranked] == [i for i, _ in rr_offline.rerank(QUERY, DOCS)]
-    assert set(ranked[0]) == {"index", "score", "text"}
+    scores = rr_offline.score([(QUERY, d) for d in DOCS])
+    assert_ranked([(r["index"], r["score"]) for r in ranked], scores)
+    assert set(ranked[0]) == {"index", "score", "text"} and all(r["text"] == DOCS[r["index"]] for r in ranked)
     root = httpx.post(rr_url, json={"query": QUERY, "texts": DOCS}).json()  # POST / too
-    assert [r["index"] for r in root] == [r["index"] for r in ranked] and set(root[0]) == {"index", "score"}
+    assert_ranked([(r["index"], r["score"]) for r in root], scores)
+    assert set(root[0]) == {"index", "score"}
     missing = httpx.post(rr_url, json={"query": QUERY})  # TEI's shape, naming what is missing
     assert missing.status_code == 422 and "texts" in missing.json()["error"] and "error_type" in missing.json()
     pair = httpx.post(rr_url, json={"inputs": [QUERY, DOCS[1]]}).json()  # a /predict body is predicted
@@ -149,22 +152,18 @@ def test_hf_inference_client_text_classification(classifier: tuple[str, Engine],
     logits = np.array([s for _, s in sorted(offline.classify(text, activation=False)[0],
                                             key=lambda x: [*LABELS.values()].index(x[0]))])
 
-    def expect(scores: np.ndarray, k: int | None = None) -> list[tuple[str, float]]:
-        order = np.argsort(-scores, kind="stable")[:k]
-        return [(LABELS[int(i)], float(scores[i])) for i in order]
+    def by_label(scores: np.ndarray) -> dict[str, float]:
+        return {LABELS[i]: float(score) for i, score in enumerate(scores)}
 
     def pairs(out: list) -> list[tuple[str, float]]:  # noqa: ANN001
         return [(o.label, o.score) for o in out]
 
     default = client.text_classification(text)  # the workflow's activation: softmax
-    assert [x[0] for x in pairs(default)] == [x[0] for x in expect(_softmax(logits))]
-    assert [x[1] for x in pairs(default)] == pytest.approx([x[1] for x in expect(_softmax(logits))], abs=1e-5)
+    assert_ranked(pairs(default), by_label(_softmax(logits)))
     for fn, scores in (("sigmoid", 1 / (1 + np.exp(-logits))), ("softmax", _softmax(logits)), ("none", logits)):
         for k in (None, 1, 2):
-            got = pairs(client.text_classification(text, function_to_apply=fn, top_k=k))
-            want = expect(scores, k)
-            assert [x[0] for x in got] == [x[0] for x in want], (fn, k)
-            assert [x[1] for x in got] == pytest.approx([x[1] for x in want], abs=1e-5), (fn, k)
+            assert_ranked(pairs(client.text_classification(text, function_to_apply=fn, top_k=k)), by_label(scores),
+                          top_n=k)
     # TEI's own /predict shape stays: a single input answers a flat list; raw_scores gives logits
     raw = httpx.post(f"{base}/predict", json={"inputs": text, "raw_scores": True}).json()
     assert isinstance(raw[0], dict) and [p["score"] for p in raw] == pytest.approx(sorted(logits, reverse=True),
@@ -360,17 +359,16 @@ def test_infinity_client_rerank(reranker: tuple[str, Engine], prefix: str) -> No
         full = rerank.sync(client=client, body=RerankInput(query=QUERY, documents=DOCS, return_documents=True,
                                                            raw_scores=True, top_n=2, model="rr"))
     assert isinstance(plain, ReRankResult) and plain.object_.value == "rerank" and plain.model == "rr"
-    assert [r.index for r in plain.results] == [i for i, _ in expected]
-    assert [r.relevance_score for r in plain.results] == pytest.approx([s for _, s in expected], abs=1e-5)
+    assert_ranked([(r.index, r.relevance_score) for r in plain.results], dict(expected))
     assert all("document" not in r.to_dict() for r in plain.results)  # return_documents: false, Infinity's default
     assert plain.usage.prompt_tokens == plain.usage.total_tokens > 0
-    assert [r.index for r in full.results] == [i for i, _ in expected[:2]]
-    assert [r.document for r in full.results] == [DOCS[i] for i, _ in expected[:2]]  # Infinity's plain strings
-    assert [r.relevance_score for r in full.results] == pytest.approx([float(logits[i]) for i, _ in expected[:2]],
-                                                                      abs=1e-5)
+    assert_ranked([(r.index, r.relevance_score) for r in full.results], logits.tolist(), top_n=2)
+    assert [r.document for r in full.results] == [DOCS[r.index] for r in full.results]  # Infinity's plain strings
     # Cohere / Jina / vLLM bodies keep their {"text": ...} documents, in the same (superset) envelope
     cohere = httpx.post(f"{base}{prefix}/rerank", json={"query": QUERY, "documents": DOCS, "top_n": 1}).json()
-    assert cohere["results"][0]["document"] == {"text": DOCS[expected[0][0]]}
+    best = cohere["results"][0]
+    assert_ranked([(best["index"], best["relevance_score"])], dict(expected), top_n=1)
+    assert best["document"] == {"text": DOCS[best["index"]]}
     assert set(cohere) == {"id", "object", "created", "model", "results", "usage"}
     assert set(cohere["usage"]) == {"prompt_tokens", "total_tokens"}
 
@@ -389,8 +387,7 @@ def test_infinity_client_classify(classifier: tuple[str, Engine], prefix: str) -
     assert probs.usage.prompt_tokens == probs.usage.total_tokens > 0
     for got, want in ((probs, offline.classify(texts)), (logits, offline.classify(texts, activation=False))):
         for row, expected in zip(got.data, want):
-            assert [c.label for c in row] == [label for label, _ in expected]
-            assert [c.score for c in row] == pytest.approx([s for _, s in expected], abs=1e-5)
+            assert_ranked([(c.label, c.score) for c in row], dict(expected))
     vllm = httpx.post(f"{base}{prefix}/classify", json={"input": texts}).json()  # vLLM's body keeps vLLM's answer
     assert set(vllm["data"][0]) == {"index", "label", "probs", "num_classes"}
 

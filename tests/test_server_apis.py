@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from sentence_transformers.util.quantization import quantize_embeddings
 
+from tests.ranking import assert_ranked
 from tests.test_server import serve
 from tests.test_server_tasks import cross_encoder_path  # noqa: F401 - a fixture
 from wde import Engine
@@ -167,11 +168,12 @@ def test_cohere_client_rerank_v2(reranker: tuple[str, Engine]) -> None:
     url, offline = reranker
     expected = offline.rerank(QUERY, DOCS)
     response = _cohere(url).rerank(model="ce", query=QUERY, documents=DOCS, top_n=2)
-    assert [r.index for r in response.results] == [i for i, _ in expected[:2]]
-    assert [r.relevance_score for r in response.results] == pytest.approx([s for _, s in expected[:2]], abs=1e-5)
+    assert_ranked([(r.index, r.relevance_score) for r in response.results], dict(expected), top_n=2)
     assert response.meta.api_version.version == "2" and response.meta.tokens.input_tokens > 0
     vllm = httpx.post(f"{url}/v2/rerank", json={"query": QUERY, "documents": DOCS}).json()  # vLLM's shape too
-    assert vllm["results"][0]["document"] == {"text": DOCS[expected[0][0]]} and vllm["usage"]["total_tokens"] > 0
+    assert_ranked([(r["index"], r["relevance_score"]) for r in vllm["results"]], dict(expected))
+    assert all(r["document"] == {"text": DOCS[r["index"]]} for r in vllm["results"])
+    assert vllm["usage"]["total_tokens"] > 0
     long_doc = DOCS[0] + " and more" * 400
     capped = httpx.post(f"{url}/v2/rerank", json={"query": QUERY, "documents": [long_doc], "max_tokens_per_doc": 4096})
     assert capped.status_code == 200, capped.text  # Cohere truncates to the cap: here the model's 512 tokens
