@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import struct
 import subprocess
 import sys
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import httpx
@@ -147,6 +149,90 @@ def test_a_tokenizer_smaller_than_a_padded_embedding_table_is_served(tmp_path: P
     tok.save_pretrained(tmp_path)
     with Engine.from_workflow("bert", tmp_path, overrides=["pooler.params.pooling=mean"]) as engine:
         assert np.isfinite(engine.embed("hello world")).all()
+
+
+# --- files that block on read ----------------------------------------------------------------------------------
+
+BLOCK_WAIT_S = 120
+"""Generous: the refusal comes before any file is opened; this only bounds a start-up that blocks."""
+
+
+def _refusal_in_child(folder: Path, overrides: tuple[str, ...], workflow: str | None, answer: Connection) -> None:
+    try:
+        Engine.from_workflow(workflow, folder, overrides=list(overrides)).close()
+        answer.send("no error: the folder was served")
+    except BaseException as e:  # noqa: BLE001 - the message, or what went wrong instead, goes to the test
+        answer.send(f"{type(e).__name__}: {e}")
+
+
+def refused_without_blocking(folder: Path, blocking: Path, *overrides: str, workflow: str | None = None) -> str:
+    """The `ModelLoadError` message `Engine.from_workflow` gives for `folder`, from a forked child process: a load
+    that blocks on `blocking` (as it did before, some readers holding the interpreter lock while they wait) is
+    killed after `BLOCK_WAIT_S` and the test fails instead of hanging."""
+    mine, theirs = multiprocessing.get_context("fork").Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(target=_refusal_in_child,
+                                                        args=(folder, overrides, workflow, theirs), daemon=True)
+    child.start()
+    try:
+        if not mine.poll(BLOCK_WAIT_S):
+            pytest.fail(f"start-up blocked on {blocking} for {BLOCK_WAIT_S} s instead of refusing it")
+        message = mine.recv()
+    finally:
+        child.kill()
+        child.join()
+    assert message.startswith("ModelLoadError: ") and "\n" not in message, message
+    return message.removeprefix("ModelLoadError: ")
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                                  "model.safetensors", "modules.json", "sentence_bert_config.json",
+                                  "1_Pooling/config.json"])
+def test_a_fifo_in_the_model_folder_is_refused_by_name_not_waited_on(tmp_path: Path, minilm_path: Path,
+                                                                     name: str) -> None:
+    """`mkfifo model/config.json` made start-up hang for ever (every reader opens files with a blocking open)."""
+    folder = minilm_copy(minilm_path, tmp_path / "fifo")
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    message = refused_without_blocking(folder, folder / name)
+    assert message.startswith(f"{folder / name} is a FIFO (named pipe), not a regular file"), message
+
+
+def test_a_fifo_among_the_image_processor_files_is_refused(tmp_path: Path, clip_path: Path) -> None:
+    folder = tiny_copy(clip_path, tmp_path / "clip-fifo")
+    (folder / "preprocessor_config.json").unlink()
+    os.mkfifo(folder / "preprocessor_config.json")
+    message = refused_without_blocking(folder, folder / "preprocessor_config.json")
+    assert f"{folder / 'preprocessor_config.json'} is a FIFO" in message
+
+
+def test_a_link_to_a_device_and_a_fifo_in_a_tokenizer_path_are_refused(tmp_path: Path, minilm_path: Path) -> None:
+    """A link is followed (hub-cache snapshots are links to blobs): one to a device is refused like a FIFO; the
+    folder named by tokenizer.params.path is checked as the model folder is."""
+    folder = minilm_copy(minilm_path, tmp_path / "device")
+    (folder / "vocab.txt").unlink()
+    (folder / "vocab.txt").symlink_to("/dev/null")
+    assert f"{folder / 'vocab.txt'} is a character device, not a regular file" in refused(folder)
+    model = minilm_copy(minilm_path, tmp_path / "model", skip=TOKENIZER_FILES)
+    tokenizer = minilm_copy(minilm_path, tmp_path / "tokenizer")
+    (tokenizer / "tokenizer.json").unlink()
+    os.mkfifo(tokenizer / "tokenizer.json")
+    message = refused_without_blocking(model, tokenizer / "tokenizer.json", f"tokenizer.params.path={tokenizer}")
+    assert f"{tokenizer / 'tokenizer.json'} is a FIFO" in message
+
+
+def test_wde_serve_refuses_a_fifo_config_json_in_one_line(tmp_path: Path, minilm_path: Path) -> None:
+    folder = minilm_copy(minilm_path, tmp_path / "fifo-config", skip=("config.json",))
+    os.mkfifo(folder / "config.json")
+    try:
+        line = serve_refused(folder)
+    finally:  # a start-up that blocked (and was killed by the timeout) must not leave a reader behind
+        if (folder / "config.json").is_fifo():
+            try:
+                os.close(os.open(folder / "config.json", os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # no reader: nothing waits
+                pass
+    assert line == f"Error: {folder / 'config.json'} is a FIFO (named pipe), not a regular file: reading it could" \
+                   " block or never end, so the model folder is refused; replace it with the file itself"
 
 
 # --- weights -------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -54,13 +55,45 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
         ) from None
 
 
+_NOT_REGULAR = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def check_regular_files(folder: Path) -> None:
+    """Refuse a model folder holding anything but regular files and folders, naming the first such entry.
+
+    Every reader of a model folder (ours, transformers' AutoConfig / AutoTokenizer / AutoImageProcessor,
+    safetensors) opens files with a plain blocking `open` and reads them whole: a FIFO named `config.json` made
+    start-up hang for ever, a link to `/dev/zero` would read without end. So the folder is checked once, before
+    anything opens a file in it, by `stat` (which follows links and never blocks): every file of the folder and of
+    its sub-folders (sentence-transformers modules), hidden folders (`.git`, `.cache`) aside, since no reader
+    looks there. A link that leads nowhere is left to the reader that wants it (it reports a missing file)."""
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in files:
+            path = Path(root, name)
+            try:
+                mode = os.stat(path).st_mode
+            except OSError:
+                continue
+            if stat.S_ISREG(mode):
+                continue
+            kind = next((what for test, what in _NOT_REGULAR if test(mode)), "not a regular file")
+            raise ModelLoadError(f"{path} is {kind}, not a regular file: reading it could block or never end, so"
+                                 " the model folder is refused; replace it with the file itself")
+
+
 @dataclass
 class ModelSource:
-    """A resolved model folder plus everything read from it that components need."""
+    """A resolved model folder plus everything read from it that components need. Its files are checked to be
+    regular files when it is made (`check_regular_files`), before any of them is opened."""
 
     path: Path
     trust_remote_code: bool = False
     _json_cache: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        check_regular_files(self.path)
 
     @classmethod
     def from_model(cls, model: str | os.PathLike | None, trust_remote_code: bool = False) -> "ModelSource":

@@ -10,6 +10,8 @@ refused after composing it, before anything walks or constructs it, naming the f
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +110,9 @@ def load_yaml_with_locations(path: Path) -> tuple[Any, dict[KeyPath, Location]]:
     """Parse `path` safely; return the data and a map from key path to where that key is written."""
     file = str(path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read for ever, a device never end
+            raise WorkflowError([Issue(Location(file), "", "not a regular file (a FIFO, socket or device); a workflow"
+                                       " is read whole, so it must be a file")])
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise WorkflowError([Issue(Location(file), "", f"cannot read workflow file: {e.strerror or e}")]) from None

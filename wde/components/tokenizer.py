@@ -56,6 +56,10 @@ class HFTokenizer(Component):
         folder = Path(params.path).expanduser() if params.path is not None else ctx.source.path
         if not folder.is_dir():
             raise ModelLoadError(f"tokenizer.params.path {params.path!r} is not a folder")
+        if params.path is not None:  # the model folder was checked when its ModelSource was made
+            from wde.model_source import check_regular_files
+
+            check_regular_files(folder)
         try:
             self._tok = AutoTokenizer.from_pretrained(
                 folder, trust_remote_code=ctx.source.trust_remote_code, use_fast=True
