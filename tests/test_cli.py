@@ -152,3 +152,13 @@ def test_every_option_of_every_command_has_help() -> None:
     for name in main.commands:  # and the help pages render
         result = run(name, "--help")
         assert result.exit_code == 0 and "Usage:" in result.output, result.output
+
+
+def test_a_10_mb_option_value_is_not_echoed_whole(tmp_path: Path) -> None:
+    """A huge value given by mistake makes a short error naming the option, not a 10 MB one."""
+    huge = "y" * (10 * 2**20)
+    embed = run("embed", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "o.npy"), "--outputs", huge)
+    assert embed.exit_code == 2 and "--outputs" in embed.output and "(10,485,760 characters)" in embed.output
+    assert len(embed.output) < 1000
+    validate = run("validate", "bert", "--set", f"model.params.dtype={huge}")
+    assert validate.exit_code == 1 and "(10,485,760 characters)" in validate.output and len(validate.output) < 1000

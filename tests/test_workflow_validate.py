@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -272,3 +275,60 @@ def test_a_registered_name_wins_over_a_folder_of_that_name(tmp_path: Path, monke
     with pytest.raises(WorkflowError) as info:
         load_workflow(str(tmp_path / "bert"))
     assert "is a folder, not a workflow file" in str(info.value)
+
+
+# --- huge values are not echoed whole ------------------------------------------------------------------------
+
+HUGE = "x" * (10 * 2**20)
+HUGE_LENGTH = f"({len(HUGE):,} characters)"
+"""How an error shows a 10 MB value: its first characters, an ellipsis, then this."""
+
+
+def assert_short(text: str, limit: int = 1000) -> None:
+    """Short, and saying how long the value was (a list's repr is a few characters longer than the string)."""
+    assert len(text) < limit and re.search(r"… \(10,485,7\d\d characters\)", text), text[:2000]
+
+
+def test_a_10_mb_param_value_is_not_echoed_whole(tmp_path: Path) -> None:
+    """It was: the message (and `wde validate`'s output) was 10 MB."""
+    path = write(tmp_path, "huge.yaml", f"name: huge\nextends: bert\nmodel:\n  params:\n    dtype: {HUGE}\n")
+    issue = only_issue(path)
+    assert issue.path == "model.params.dtype" and "Input should be 'auto'" in issue.message
+    assert_short(str(issue))
+    assert f"(got '{'x' * 120}'… {HUGE_LENGTH})" in issue.message
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 1
+    assert_short(result.output)
+
+
+@pytest.mark.parametrize("override", [f"model.params.dtype={HUGE}", f"model.params.{HUGE}=1", f"model.name={HUGE}",
+                                      f"model.params.dtype=[{HUGE}]", HUGE])
+def test_a_10_mb_override_is_not_echoed_whole(override: str) -> None:
+    """A value, a key, a component name, a list holding the value, and an override without '='."""
+    with pytest.raises(WorkflowError) as info:
+        load_workflow("bert", [override])
+    assert_short(str(info.value))
+
+
+def test_a_fifo_workflow_file_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """A workflow that extends a FIFO waited for ever for a writer."""
+    os.mkfifo(tmp_path / "parent.yaml")
+    child = write(tmp_path, "child.yaml", "name: child\nextends: parent.yaml\n")
+    outcome: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            load_workflow(child)
+        except WorkflowError as e:
+            outcome["issue"] = e.issues[0]
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():
+        os.close(os.open(tmp_path / "parent.yaml", os.O_WRONLY | os.O_NONBLOCK))  # releases the waiting reader
+        thread.join(60)
+        pytest.fail("loading a workflow that extends a FIFO blocked instead of refusing it")
+    issue = outcome["issue"]
+    assert isinstance(issue, Issue) and issue.location.file == str(tmp_path / "parent.yaml")
+    assert "not a regular file" in issue.message

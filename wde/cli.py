@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from wde.errors import Issue, Location, ModelLoadError, RegistryError, WorkflowError
+from wde.errors import Issue, Location, ModelLoadError, RegistryError, WorkflowError, shown
 
 
 def _workflow_files(paths: tuple[str, ...]) -> list[Path | str]:
@@ -205,7 +205,7 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_fi
     except ValidationError as e:
         first = e.errors()[0]
         flag = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "wde embed"
-        raise click.BadParameter(f"{first['msg']} (got {first.get('input')!r})", param_hint=flag) from None
+        raise click.BadParameter(f"{first['msg']} (got {shown(first.get('input'))})", param_hint=flag) from None
     device_list = _split_list((devices,)) if devices else None
     try:
         with SignalGuard():

@@ -64,6 +64,20 @@ class ModelLoadError(ValueError):
     """A model folder is missing, incomplete, or not something the chosen workflow can serve."""
 
 
+SHOWN_CHARS = 120
+"""The most characters of a value an error message echoes (see `shown`)."""
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """`repr(value)` as an error message echoes what it refuses: whole when short, else its first `limit`
+    characters, an ellipsis and the length of the whole, so a 10 MB string given by mistake makes a short message
+    (it used to be echoed whole: 10 MB on a terminal, in a log line, in a JSON error)."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else f"{value[:limit]!r}… ({len(value):,} characters)"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
+
+
 def one_line(text: object) -> str:
     """`text` on one line (whitespace runs, newlines included, become one space): a start-up error is one line."""
     return " ".join(str(text).split())

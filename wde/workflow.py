@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from wde.components.base import COMPONENT_KINDS, Component, Params
-from wde.errors import Issue, Location, RegistryError, WorkflowError, did_you_mean
+from wde.errors import SHOWN_CHARS, Issue, Location, RegistryError, WorkflowError, did_you_mean, shown
 from wde.registry import LazyComponent, Registry, capabilities_of, get_registry, load_component
 from wde.yaml_source import KeyPath, YamlBombError, load_yaml_with_locations, locate, safe_load
 
@@ -126,20 +126,33 @@ def _known_keys(path: KeyPath) -> list[str]:
     return []
 
 
+def brief(text: object) -> str:
+    """`text` as an error message shows a key or a command-line value: whole when short, else its first
+    `SHOWN_CHARS` characters and its length (`shown` is the same for a quoted value)."""
+    text = str(text)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}… ({len(text):,} characters)"
+
+
+def dotted_path(path: KeyPath) -> str:
+    return ".".join(brief(p) for p in path)
+
+
 def _pydantic_issues(err: ValidationError, locations: dict[KeyPath, Location], prefix: KeyPath) -> list[Issue]:
+    """One issue per pydantic error; every value and key is echoed through `shown` / `brief`, so a 10 MB value
+    (or key) makes a short message, not a 10 MB one."""
     issues = []
     for e in _merge_union_errors(err.errors()):
         path = prefix + tuple(e["loc"])
-        dotted = ".".join(str(p) for p in path)
-        msg = e["msg"]
+        dotted = dotted_path(path)
+        msg = brief(e["msg"]) if len(e["msg"]) > 4 * SHOWN_CHARS else e["msg"]  # a validator may quote the value
         if e["type"] == "extra_forbidden":
             known = _known_keys(path)
-            msg = f"unknown key {path[-1]!r};{did_you_mean(str(path[-1]), known)}" + \
+            msg = f"unknown key {shown(path[-1])};{did_you_mean(str(path[-1]), known)}" + \
                 (f" (keys: {', '.join(known)})" if known else "")
         elif e["type"] == "missing":
-            msg = f"missing required key {path[-1]!r}"
+            msg = f"missing required key {shown(path[-1])}"
         elif "input" in e:
-            msg = f"{msg} (got {e['input']!r})"
+            msg = f"{msg} (got {shown(e['input'])})"
         issues.append(Issue(locate(locations, path), dotted, msg))
     return issues
 
@@ -188,7 +201,7 @@ def _load_chain(path: Path, registry: Registry, seen: tuple[Path, ...] = ()) -> 
     if parent_ref.endswith((".yaml", ".yml")) or "/" in parent_ref:
         parent_path = (path.parent / parent_ref).resolve()
         if not parent_path.exists():
-            raise WorkflowError([Issue(loc, "extends", f"extended workflow file {parent_ref!r} does not exist")])
+            raise WorkflowError([Issue(loc, "extends", f"extended workflow file {shown(parent_ref)} does not exist")])
     else:
         try:
             parent_path = registry.workflow_path(parent_ref)
@@ -207,15 +220,16 @@ def parse_override(text: str) -> tuple[KeyPath, Any]:
     The value is read as YAML (safe) so numbers, booleans, lists and null keep their types.
     """
     if "=" not in text:
-        raise WorkflowError([Issue(Location("--set"), text, "an override must look like 'kind.params.key=value'")])
+        raise WorkflowError([Issue(Location("--set"), brief(text),
+                                   "an override must look like 'kind.params.key=value'")])
     key, _, raw = text.partition("=")
     path = tuple(p for p in key.strip().split(".") if p)
     if not path:
-        raise WorkflowError([Issue(Location("--set"), text, "an override needs a key before '='")])
+        raise WorkflowError([Issue(Location("--set"), brief(text), "an override needs a key before '='")])
     try:
         value = safe_load(raw) if raw.strip() else None
     except YamlBombError as e:
-        raise WorkflowError([Issue(Location("--set"), key.strip(), e.message)]) from None
+        raise WorkflowError([Issue(Location("--set"), brief(key.strip()), e.message)]) from None
     except yaml.YAMLError:
         value = raw
     return path, value
@@ -259,8 +273,7 @@ def _apply_overrides(layer: _Layer, overrides: list[tuple[KeyPath, Any]]) -> _La
                 node[key] = {}
             node = node[key]
         node[path[-1]] = value
-        dotted = ".".join(str(p) for p in path)
-        where = Location(f"--set {dotted}={value}")
+        where = Location(f"--set {dotted_path(path)}={brief(value)}")
         locations[path] = where
         for i in range(1, len(path)):  # a key the override introduces is reported at the override
             locations.setdefault(path[:i], where)
@@ -286,7 +299,7 @@ def _resolve_components(layer: _Layer, registry: Registry) -> dict[str, Resolved
         if entry is None:
             names = sorted(known)
             issues.append(Issue(locate(layer.locations, (kind, "name")), f"{kind}.name",
-                                f"unknown {kind} component {ref.name!r};{did_you_mean(ref.name, names)}"
+                                f"unknown {kind} component {shown(ref.name)};{did_you_mean(ref.name, names)}"
                                 f" (available: {', '.join(names) or 'none'})"))
             continue
         component: type[Component] | LazyComponent = entry.value  # type: ignore[assignment]
