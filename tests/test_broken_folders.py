@@ -235,6 +235,39 @@ def test_wde_serve_refuses_a_fifo_config_json_in_one_line(tmp_path: Path, minilm
                    " block or never end, so the model folder is refused; replace it with the file itself"
 
 
+# --- a max length the model does not allow ---------------------------------------------------------------------
+
+def test_a_max_length_over_the_models_is_refused_naming_the_models_maximum(minilm_path: Path) -> None:
+    """`--set tokenizer.params.max_length=100000` was cut to all-MiniLM-L6-v2's 256 without a word."""
+    message = refused(minilm_path, "tokenizer.params.max_length=100000")
+    assert f"tokenizer.params.max_length=100000 is more than {minilm_path} allows: at most 256 tokens per input" \
+           " (sentence_bert_config.json max_seq_length 256, the tokenizer's model_max_length 512, config.json's" \
+           " position table 512)" in message, message
+    assert "set tokenizer.params.max_length to 256 or less" in message
+    assert "at most 256 tokens" in refused(minilm_path, "tokenizer.params.max_length=257")
+    for allowed in (256, 100):
+        with Engine.from_workflow(None, minilm_path, tokenizer={"params": {"max_length": allowed}}) as engine:
+            assert engine.max_length == allowed
+
+
+def test_a_workflows_max_length_cap_gives_way_to_a_smaller_model(tmp_path: Path, minilm_path: Path) -> None:
+    """What a workflow allows at most (e5_mistral: 4096, its attention window) is a cap, not a demand: a model
+    allowing fewer keeps its own limit (the tiny Mistral: 512); a smaller cap applies."""
+    from tests import tiny_decoders
+
+    with Engine.from_workflow("e5_mistral", tiny_decoders.build_mistral(tmp_path / "mistral")) as engine:
+        assert engine.workflow.components["tokenizer"].params.max_length_cap == 4096
+        assert engine.max_length == 512
+    with Engine.from_workflow(None, minilm_path, tokenizer={"params": {"max_length_cap": 100}}) as engine:
+        assert engine.max_length == 100
+
+
+def test_wde_serve_refuses_a_max_length_over_the_models_in_one_line(minilm_path: Path) -> None:
+    line = serve_refused(minilm_path, "--set", "tokenizer.params.max_length=100000")
+    assert line.startswith("Error: ") and "tokenizer.params.max_length=100000 is more than" in line
+    assert "at most 256 tokens" in line
+
+
 # --- weights -------------------------------------------------------------------------------------------------
 
 def test_a_truncated_safetensors_file_is_refused(tmp_path: Path, tiny_bert: Path) -> None:

@@ -23,7 +23,12 @@ these, nor of the files its tokenizer class names, has no tokenizer: transformer
 
 
 class HFTokenizerParams(Params):
-    max_length: int | None = Field(None, gt=0, description="cap on tokens per input; default: what the model allows")
+    max_length: int | None = Field(None, gt=0, description=(
+        "tokens per input (lower only); default: what the model allows. More than the model allows is refused at"
+        " start-up, naming its maximum (it was cut to the model's maximum without a word)"))
+    max_length_cap: int | None = Field(None, gt=0, description=(
+        "for a workflow: the most tokens it lets an input have whatever the model allows (e5_mistral: its 4096-token"
+        " attention window); a model that allows fewer keeps its own limit. max_length, when set, wins"))
     padding_side: Literal["left", "right"] | None = None
     add_eos: bool = Field(False, description="append the EOS token when the tokenizer's template does not"
                                              " (last-token pooling reads the EOS state)")
@@ -37,8 +42,9 @@ class HFTokenizerParams(Params):
 class HFTokenizer(Component):
     """A Hugging Face fast tokenizer loaded from the model folder.
 
-    The max length is the smallest of: the `max_length` param, sentence-transformers' `max_seq_length`, the
-    tokenizer's `model_max_length` and the model's position table, so no input can overrun the positions.
+    The max length is the smallest of what the model allows (sentence-transformers' `max_seq_length`, the
+    tokenizer's `model_max_length` and the model's position table, so no input can overrun the positions) and the
+    workflow's `max_length_cap`; the `max_length` param replaces it, and is refused when over what the model allows.
 
     Thread-safe: a fast tokenizer changes its truncation state on calls that truncate, and two threads in one
     Rust tokenizer at once fail ("Already borrowed"), so each thread that encodes (the engine loop, the
@@ -68,17 +74,7 @@ class HFTokenizer(Component):
             raise ModelLoadError(f"cannot load the tokenizer from {folder}: {one_line(e)}") from None
         cfg = ctx.source.hf_config
         self._check_vocabulary(folder, cfg)
-        limits = [params.max_length]
-        st = ctx.source.read_json("sentence_bert_config.json") or {}
-        limits.append(st.get("max_seq_length"))
-        limits.append(self._tok.model_max_length if self._tok.model_max_length < 10**9 else None)
-        max_pos = getattr(cfg, "max_position_embeddings", None)
-        if max_pos is None and hasattr(cfg, "get_text_config"):  # a two-tower config (CLIP, SigLIP): the text tower's
-            max_pos = getattr(cfg.get_text_config(), "max_position_embeddings", None)
-        if max_pos is not None:
-            offset = params.position_offset if params.position_offset is not None else self.position_offset(cfg)
-            limits.append(max_pos - offset)
-        self.max_length: int = min(x for x in limits if x is not None) if any(limits) else 512
+        self.max_length: int = self._max_length(ctx, cfg)
         # Length limits are enforced by the request processor with a clear error; silence transformers' own
         # "sequence length is longer than the specified maximum" warning for inputs it is about to reject.
         self._tok.model_max_length = int(1e30)
@@ -88,6 +84,41 @@ class HFTokenizer(Component):
         self._local = threading.local()
         self._copy_lock = threading.Lock()
         self._original_taken = False
+
+    def model_limits(self, ctx: BuildContext, cfg: object) -> dict[str, int]:
+        """What the model allows per input, by where it says so (only the limits it states)."""
+        limits: dict[str, int] = {}
+        st = ctx.source.read_json("sentence_bert_config.json") or {}
+        if isinstance(st.get("max_seq_length"), int) and not isinstance(st["max_seq_length"], bool):
+            limits["sentence_bert_config.json max_seq_length"] = st["max_seq_length"]
+        if self._tok.model_max_length < 10**9:
+            limits["the tokenizer's model_max_length"] = int(self._tok.model_max_length)
+        max_pos = getattr(cfg, "max_position_embeddings", None)
+        if max_pos is None and hasattr(cfg, "get_text_config"):  # a two-tower config (CLIP, SigLIP): the text tower's
+            max_pos = getattr(cfg.get_text_config(), "max_position_embeddings", None)
+        if max_pos is not None:
+            offset = self.params.position_offset if self.params.position_offset is not None \
+                else self.position_offset(cfg)
+            limits["config.json's position table" + (f" from offset {offset}" if offset else "")] = max_pos - offset
+        return limits
+
+    def _max_length(self, ctx: BuildContext, cfg: object) -> int:
+        """The tokens one input may have: `max_length` when set (refused above what the model allows: it used to
+        be cut to the model's maximum without a word), else the smallest of the model's limits and the workflow's
+        `max_length_cap` (512 when nothing states one)."""
+        limits = self.model_limits(ctx, cfg)
+        allowed = min(limits.values()) if limits else None
+        wanted = self.params.max_length
+        if wanted is not None:
+            if allowed is not None and wanted > allowed:
+                said = ", ".join(f"{where} {n}" for where, n in limits.items())
+                raise ModelLoadError(
+                    f"tokenizer.params.max_length={wanted} is more than {ctx.source.path} allows: at most {allowed}"
+                    f" tokens per input ({said}); set tokenizer.params.max_length to {allowed} or less, or leave it"
+                    " unset")
+            return wanted
+        caps = [n for n in (allowed, self.params.max_length_cap) if n is not None]
+        return min(caps) if caps else 512
 
     def _check_vocabulary(self, folder: Path, cfg: object) -> None:
         """Refuse a folder without tokenizer files (transformers 5 then builds a 5-token vocabulary and every
