@@ -213,7 +213,8 @@ def test_parquet_and_txt_inputs_together(tmp_path: Path, tiny_bert: Path, engine
                  "--text-field", "passage", "--id-field", "pid", "--output", str(out), "--shard-size", "2")
     assert result.exit_code == 0, result.output
     ids, got = read(out)
-    assert ids == ["7", "8", "9", "10"]
+    assert ids == [7, 8, 9, 10]  # integer ids stay integers (they came back as strings)
+    assert pq.read_table(out).schema.field("id").type == "int64"
     assert np.abs(got - engine.embed(["alpha one", "beta two", "gamma", "delta"])).max() <= 1e-6
     missing = run("-m", str(tiny_bert), "--input", str(tmp_path / "a.parquet"), "--output", str(tmp_path / "x.parquet"))
     assert not (tmp_path / "x.parquet").exists()  # refused before any output (or model) is made
@@ -260,3 +261,65 @@ def test_readers_stream_in_constant_memory(tmp_path: Path) -> None:
         tracemalloc.stop()
     assert rows == 40_000
     assert peak < src.stat().st_size / 10, f"peak {peak} bytes for a {src.stat().st_size}-byte file"
+
+
+# --- integer ids ---------------------------------------------------------------------------------------------
+
+def test_integer_ids_stay_integers_and_resume(tmp_path: Path, tiny_bert: Path, engine: Engine,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """JSONL `"id": 7` came back as the string "7". Interrupted after two shards and resumed, the output is the
+    clean run's: int64 ids, every id once."""
+    from tests.test_corpus_resume import interrupt_at
+
+    texts = [f"text number {i}" for i in range(10)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": 100 + i, "text": t}) + "\n" for i, t in enumerate(texts)),
+                   encoding="utf-8")
+    args = ["-m", str(tiny_bert), *MEAN, "--input", str(src), "--id-field", "id", "--shard-size", "3"]
+    with monkeypatch.context() as m:
+        interrupt_at(m, 3)
+        assert run(*args, "--output", str(tmp_path / "out.parquet")).exit_code == 143
+    resumed = run(*args, "--output", str(tmp_path / "out.parquet"), "--resume")
+    assert resumed.exit_code == 0 and "2 shard(s) kept from an earlier run" in resumed.output, resumed.output
+    ids, got = read(tmp_path / "out.parquet")
+    assert ids == list(range(100, 110)) and all(type(i) is int for i in ids)
+    assert pq.read_table(tmp_path / "out.parquet").schema.field("id").type == "int64"
+    assert np.abs(got - engine.embed(texts)).max() <= 1e-6
+    workers = run(*args, "--output", str(tmp_path / "workers.parquet"), "--workers", "2")
+    assert workers.exit_code == 0, workers.output
+    assert read(tmp_path / "workers.parquet")[0] == ids
+
+
+def test_the_first_id_decides_the_id_type(tmp_path: Path, tiny_bert: Path) -> None:
+    """One run writes one id column type: after a string id an integer is written as its digits; after an integer
+    a string is refused naming file:line (shards already written hold integers), as is an int beyond int64."""
+    strings_first = tmp_path / "s.jsonl"
+    strings_first.write_text('{"id": "a", "text": "one"}\n{"id": 2, "text": "two"}\n', encoding="utf-8")
+    out = tmp_path / "s.parquet"
+    assert run("-m", str(tiny_bert), *MEAN, "--input", str(strings_first), "--id-field", "id", "--output",
+               str(out)).exit_code == 0
+    assert read(out)[0] == ["a", "2"]
+    ints_first = tmp_path / "i.jsonl"
+    ints_first.write_text('{"id": 1, "text": "one"}\n{"id": "b", "text": "two"}\n', encoding="utf-8")
+    refused = run("-m", str(tiny_bert), *MEAN, "--input", str(ints_first), "--id-field", "id", "--output",
+                  str(tmp_path / "i.parquet"))
+    assert refused.exit_code == 1 and f"{ints_first}:2: id 'b' is a string, but the first record's id is an" \
+        " integer" in refused.output, refused.output
+    huge = tmp_path / "h.jsonl"
+    huge.write_text('{"id": 1, "text": "one"}\n{"id": 9223372036854775808, "text": "two"}\n', encoding="utf-8")
+    refused = run("-m", str(tiny_bert), *MEAN, "--input", str(huge), "--id-field", "id", "--output",
+                  str(tmp_path / "h.parquet"))
+    assert refused.exit_code == 1 and f"{huge}:2: id 9223372036854775808 does not fit" in refused.output
+
+
+def test_an_integer_id_hashes_apart_from_its_digits() -> None:
+    """So --resume on an input whose ids changed type is refused, never mixes int and string shards; a string id
+    hashes as it always did (format 2's digests of string ids are unchanged)."""
+    import hashlib
+    import struct
+
+    from wde.corpus.readers import Record, input_digests
+
+    as_int, as_str = input_digests([Record(7, "t", "f", 1)]), input_digests([Record("7", "t", "f", 1)])
+    assert as_int[0] != as_str[0] and as_int[1] != as_str[1]
+    assert as_str[0] == hashlib.sha256(struct.pack("<QQ", 1, 1) + b"7t").hexdigest()

@@ -123,10 +123,18 @@ def open_images(engine: Any) -> int:
     return max(MIN_OPEN_IMAGES, (int(inflight) + 1) * int(per_batch))
 
 
-def to_table(ids: list[str], results: list[dict[str, Any]], outputs: Sequence[str]) -> Any:
+def id_column(ids: Sequence[str | int]) -> Any:
+    """The `id` column: int64 for integer ids (an input's integer ids come back as integers), else strings; one
+    run's ids are all of one type (`readers.typed_ids`), so every shard has the same schema."""
     import pyarrow as pa
 
-    columns: dict[str, Any] = {"id": pa.array(ids, pa.string())}
+    return pa.array(ids, pa.int64() if ids and isinstance(ids[0], int) else pa.string())
+
+
+def to_table(ids: list[str | int], results: list[dict[str, Any]], outputs: Sequence[str]) -> Any:
+    import pyarrow as pa
+
+    columns: dict[str, Any] = {"id": id_column(ids)}
     for name in outputs:
         values = [res[name] for res in results]
         if name == "dense":

@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from wde.corpus.job import CorpusError, EmbedJob
-from wde.corpus.readers import check_inputs
+from wde.corpus.readers import check_inputs, first_id_type
 from wde.corpus.writer import ShardWriter, publish
 
-def _read_file(batch: Any, job_data: dict) -> Iterator[Any]:
+def _read_file(batch: Any, job_data: dict, id_type: str = "str") -> Iterator[Any]:
     """A read task: stream one input file's records as Arrow blocks of `shard_size` rows (id, text, file, line),
-    so the blocks spread over the embedding actors."""
+    so the blocks spread over the embedding actors. `id_type` ("int" or "str", from the first record of the whole
+    input) keeps the ids of every file of one type, as the local pipeline does."""
     import pyarrow as pa
 
     from wde.corpus.readers import read_records
@@ -30,7 +31,7 @@ def _read_file(batch: Any, job_data: dict) -> Iterator[Any]:
     for path in batch["path"]:
         block: list = []
         for r in read_records([str(path)], job.text_field, job.id_field, job.skip_blank, job.max_line_bytes,
-                              job.image_field):
+                              job.image_field, id_type=int if id_type == "int" else str):
             block.append(r)
             if len(block) == job.shard_size:
                 yield _block(pa, block)
@@ -42,7 +43,9 @@ def _read_file(batch: Any, job_data: dict) -> Iterator[Any]:
 def _block(pa: Any, records: list) -> Any:
     """Records as Arrow columns; an image record's path or data: URI goes in `image_ref`, its bytes in
     `image_bytes` (an Arrow column holds one type)."""
-    return pa.table({"id": [r.id for r in records], "text": [r.text for r in records],
+    from wde.corpus.embedder import id_column
+
+    return pa.table({"id": id_column([r.id for r in records]), "text": [r.text for r in records],
                      "file": [r.file for r in records], "line": pa.array([r.line for r in records], pa.int64()),
                      "image_ref": pa.array([r.image if isinstance(r.image, str) else None for r in records],
                                            pa.string()),
@@ -112,9 +115,12 @@ def run_ray_embed(job: EmbedJob, address: str | None = None, *, workers: int = 1
     device = "cuda" if gpus else "cpu"
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     data = job.model_dump()
+    id_type = first_id_type(job.inputs, job.text_field, job.id_field, job.skip_blank, job.max_line_bytes,
+                            job.image_field)
     ds = ray.data.from_items([{"path": str(Path(p).resolve())} for p in job.inputs])
     # num_cpus=0: reading is light, and differing resources keep Ray from fusing the read into one actor
-    ds = ds.map_batches(_read_file, batch_size=1, batch_format="pyarrow", fn_kwargs={"job_data": data}, num_cpus=0)
+    ds = ds.map_batches(_read_file, batch_size=1, batch_format="pyarrow",
+                        fn_kwargs={"job_data": data, "id_type": id_type.__name__}, num_cpus=0)
     ds = ds.map_batches(EmbedActor, batch_size=job.shard_size, batch_format="pyarrow", concurrency=actors,
                         fn_constructor_kwargs={"job_data": data, "device": device}, **per_actor)
     try:

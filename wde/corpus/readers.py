@@ -18,12 +18,13 @@ import json
 import os
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 from wde.corpus.job import INPUT_SUFFIXES, CorpusError
+from wde.errors import shown
 
 PARQUET_BATCH = 4096
 IMAGE_PARQUET_BATCH = 64
@@ -35,9 +36,13 @@ characters takes at most 4 MB in UTF-8 and about 6 MB JSON-escaped."""
 _PIECE = 1 << 16
 
 
+Id = str | int
+"""A record's id: a string (`FILE:LINE`, or a string --id-field), or an integer as the input gave it."""
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
-    id: str
+    id: Id
     text: str
     file: str
     line: int
@@ -60,6 +65,9 @@ ROW_DIGEST_BYTES = 4
 
 _IMAGE_FLAG = 1 << 63
 """Set in an image row's length field, so an image row never hashes like a text row with the same bytes."""
+_INT_ID_FLAG = 1 << 62
+"""Set in the id's length field of an integer id, so id 7 never hashes like id "7": a run resumed on an input whose
+ids changed type is refused (its finished shards hold the other type), not mixed."""
 
 
 def input_digests(records: Sequence[Record]) -> tuple[str, bytes]:
@@ -70,13 +78,14 @@ def input_digests(records: Sequence[Record]) -> tuple[str, bytes]:
     whole = hashlib.sha256()
     rows = bytearray()
     for r in records:
-        rid = r.id.encode("utf-8", "surrogatepass")
+        rid = str(r.id).encode("utf-8", "surrogatepass")
+        rid_field = len(rid) | (_INT_ID_FLAG if isinstance(r.id, int) else 0)
         if r.image is None:
             text = r.text.encode("utf-8", "surrogatepass")
-            data = struct.pack("<QQ", len(rid), len(text)) + rid + text
+            data = struct.pack("<QQ", rid_field, len(text)) + rid + text
         else:
             image = _image_identity(r.image)
-            data = struct.pack("<QQ", len(rid), len(image) | _IMAGE_FLAG) + rid + image
+            data = struct.pack("<QQ", rid_field, len(image) | _IMAGE_FLAG) + rid + image
         whole.update(data)
         rows += hashlib.blake2b(data, digest_size=ROW_DIGEST_BYTES).digest()
     return whole.hexdigest(), bytes(rows)
@@ -95,11 +104,37 @@ def _image_identity(image: str | bytes) -> bytes:
     return b"path\0" + image.encode("utf-8", "surrogatepass") + b"\0" + stamp.encode()
 
 
-def _id(value: Any, where: str, id_field: str) -> str:
+def _id(value: Any, where: str, id_field: str) -> Id:
+    """An --id-field value as it is written out: a string, or an integer kept an integer (`typed_ids`)."""
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise CorpusError(f"{where}: field {id_field!r} (--id-field) must be a string or an integer,"
                           f" got {type(value).__name__}")
-    return str(value)
+    return value
+
+
+INT64 = range(-2**63, 2**63)
+"""Integer ids are written as a parquet int64 column."""
+
+
+def typed_ids(records: Iterable[Record], id_type: type | None = None) -> Iterator[Record]:
+    """`records` with ids of one type, as the output's `id` column holds one: `id_type`, else the type of the
+    first record's id. Integer ids stay integers (they came back as strings); with string ids, an integer id is
+    written as its digits; with integer ids, a string id is refused naming `file:line` (shards already written
+    hold integers), as is an integer outside int64."""
+    for r in records:
+        if id_type is None:
+            id_type = type(r.id)
+        if id_type is str:
+            yield r if isinstance(r.id, str) else replace(r, id=str(r.id))
+            continue
+        if not isinstance(r.id, int):
+            raise CorpusError(f"{r.where}: id {shown(r.id)} is a string, but the first record's id is an integer, so"
+                              " the id column holds integers; give every record an integer id, or write them all as"
+                              " strings")
+        if r.id not in INT64:
+            raise CorpusError(f"{r.where}: id {r.id} does not fit the id column's 64-bit integers; write the ids as"
+                              " strings")
+        yield r
 
 
 def _text(value: Any, where: str, text_field: str) -> str:
@@ -334,8 +369,23 @@ def check_inputs(paths: Sequence[str], text_field: str | None = "text", id_field
 
 def read_records(paths: Sequence[str], text_field: str | None = "text", id_field: str | None = None,
                  skip_blank: bool = False, max_line_bytes: int = MAX_LINE_BYTES,
-                 image_field: str | None = None) -> Iterator[Record]:
-    """Every record of every file, in order (a .txt file's lines are image paths when `image_field` is set)."""
+                 image_field: str | None = None, id_type: type | None = None) -> Iterator[Record]:
+    """Every record of every file, in order (a .txt file's lines are image paths when `image_field` is set), with
+    ids of one type (`typed_ids`: `id_type`, else the first record's)."""
+    return typed_ids(_records(paths, text_field, id_field, skip_blank, max_line_bytes, image_field), id_type)
+
+
+def first_id_type(paths: Sequence[str], text_field: str | None = "text", id_field: str | None = None,
+                  skip_blank: bool = False, max_line_bytes: int = MAX_LINE_BYTES,
+                  image_field: str | None = None) -> type:
+    """The type of the first record's id, which decides the id column's (str for an empty input): for readers
+    that read the files apart (a Ray read task per file) and must agree on it."""
+    first = next(_records(paths, text_field, id_field, skip_blank, max_line_bytes, image_field), None)
+    return str if first is None else type(first.id)
+
+
+def _records(paths: Sequence[str], text_field: str | None, id_field: str | None, skip_blank: bool,
+             max_line_bytes: int, image_field: str | None) -> Iterator[Record]:
     for path in paths:
         suffix = Path(path).suffix.lower()
         if suffix == ".jsonl":

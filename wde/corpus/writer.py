@@ -27,7 +27,9 @@ from wde.corpus.job import CorpusError
 
 MANIFEST = "_wde_manifest.json"
 JOURNAL = "_wde_shards.jsonl"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+"""3: integer ids are written as integers (an int64 `id` column) and hash apart from string ids; a partial run
+of format 2 (integer ids written as strings) is refused by --resume, naming both formats."""
 ROW_DIGESTS_KEY = b"wde.input_row_digests"
 """Parquet key-value metadata of each shard: the hex per-row digests of its input (see `input_digests`)."""
 
