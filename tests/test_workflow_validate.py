@@ -332,3 +332,5 @@ def test_a_fifo_workflow_file_is_refused_not_waited_on(tmp_path: Path) -> None:
     issue = outcome["issue"]
     assert isinstance(issue, Issue) and issue.location.file == str(tmp_path / "parent.yaml")
     assert "not a regular file" in issue.message
+    named = only_issue(tmp_path / "parent.yaml")  # given itself: it said "workflow file does not exist"
+    assert named.location.file == str(tmp_path / "parent.yaml") and "not a regular file" in named.message

@@ -349,7 +349,7 @@ def find_workflow_file(workflow: str | Path, registry: Registry | None = None) -
     """A path on disk, or the file of a registered workflow name."""
     registry = registry or get_registry()
     path = Path(workflow)
-    if path.is_file():
+    if path.is_file() or (path.exists() and not path.is_dir()):  # a FIFO or device: refused by name when read
         return path
     folder = " is a folder, not a workflow file (a .yaml file or a registered workflow name)" if path.is_dir() else ""
     if isinstance(workflow, str) and not workflow.endswith((".yaml", ".yml")) and "/" not in workflow:
