@@ -18,8 +18,11 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 PY=${PYTHON:-python3}
 declare -A RC
 
+STEPS=${STEPS:-}  # e.g. STEPS="cuda_tests gpu_parity" runs only those steps (a rerun within what is left of a lease)
+
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, keep the exit code
     local name=$1 limit=$2; shift 2
+    if [ -n "$STEPS" ] && [[ " $STEPS " != *" $name "* ]]; then return; fi
     local t0=$SECONDS
     echo "=== $name (limit ${limit}s)"
     timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -56,6 +59,11 @@ import sys; sys.path.insert(0, 'benchmarks')
 from pathlib import Path
 from throughput import random_model
 print(random_model('bert-base', Path('$TOK'), Path('/tmp/wde-bert-base')))"
+step interpolate_cuda 60 $PY -c "
+import torch, torch.nn.functional as F  # docs/images.md: torch's CPU antialiased kernel and one-column outputs
+c = torch.tensor([1., 2, 3, 4]).view(1, 1, 4, 1)
+for dev in ('cpu', 'cuda'):
+    print(dev, F.interpolate(c.to(dev), size=(8, 1), mode='bilinear', antialias=True).flatten().tolist())"
 step serve_load 120 $PY benchmarks/serve_load.py --model /tmp/wde-bert-base --clients 256 --requests 8000
 
 echo "=== summary"
