@@ -7,14 +7,16 @@ ever (a redirect is followed only to a listed host, checked before connecting, a
 are not used, as they are other hosts); the body is read as it streams and refused (413) as soon as it passes
 `max_image_bytes`, never buffered beyond it; compressed bodies are not asked for (an encoded body is refused, so a
 small gzip stream cannot decode to gigabytes); and the whole fetch, redirects included, must finish within the
-timeout. It runs on the event loop (httpx's async client), so a slow host holds no thread.
+timeout. It runs on the event loop (httpx's async transport), so a slow host holds no thread.
 
 A small body can name many URLs, so what one request may make the server spend is bounded before it is spent
 (`FetchLimits`): the number of URLs is checked before the first connection; the bytes all of a request's fetches
 bring in are counted as they stream and the request refused (413) when they pass a total, so a request never
 holds more than that total of fetched bytes; one deadline covers all of a request's fetches; at most 8 of them run
-at once, and all requests together hold at most `connections` connections (one client shared by the process,
-without keep-alive, so a finished fetch leaves no idle socket behind), so file descriptors cannot run out however
+at once, and all requests together hold at most `connections` connections (slots shared by the process, each held
+from before a fetch connects until its connection is closed; no keep-alive, so a finished fetch leaves no idle
+socket behind; each request's connection pool closed when its fetching ends, so a fetch cancelled halfway, whose
+connection httpcore may not give back, leaves nothing open either), so file descriptors cannot run out however
 many requests fetch at once. A URL or redirect `Location` that is not plainly well formed (a backslash, which
 browsers read as a slash and httpx as a path character; a space or control character; a port outside 1-65535; a
 host that is not a host name or IP address) is refused by name with a 400 before anything connects.
@@ -23,8 +25,10 @@ host that is not a host name or IP address) is refused by name with a 400 before
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import re
+import ssl
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -37,6 +41,9 @@ CONCURRENT_FETCHES = 8
 """Fetches one request runs at once."""
 
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
+_HEADERS = {"accept": "image/*", "accept-encoding": "identity", "user-agent": "wde-image-fetch"}
+"""Images only, as they are (a compressed body is refused), and a name: some image hosts refuse a request without
+a User-Agent."""
 _HOST_NAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*\.?")
 """A DNS name as it goes on the wire (IDNA already applied): labels of letters, digits, hyphens, underscores."""
 
@@ -67,7 +74,7 @@ class ImageFetcher:
     def __init__(self, hosts: Sequence[str], limits: FetchLimits) -> None:
         self.hosts = frozenset(hosts)
         self.limits = limits
-        self._shared: _Shared | None = None
+        self._shared: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
     @property
     def max_bytes(self) -> int:
@@ -100,6 +107,7 @@ class ImageFetcher:
         try:
             parsed = httpx.URL(url)
             host, port = parsed.raw_host.decode("ascii").lower(), parsed.port
+            listed = parsed.host.lower().rstrip(".")  # decodes IDNA, which can fail
         except (httpx.InvalidURL, TypeError, ValueError) as e:  # UnicodeError (IDNA) is a ValueError
             raise bad(str(e)) from None
         if parsed.scheme not in ("http", "https"):
@@ -116,7 +124,6 @@ class ImageFetcher:
             raise bad(f"its host {host!r} is not a host name or IP address")
         if port is not None and not 0 < port < 65536:
             raise bad(f"its port {port} is not between 1 and 65535")
-        listed = parsed.host.lower().rstrip(".")
         if listed not in self.hosts:
             raise ApiError("bad_image", f"{field}: {_short(url)}{via} is on host {listed!r}, which is not one this"
                            " server fetches images from (wde serve --allow-image-fetch; the list is not shown to"
@@ -135,13 +142,16 @@ class ImageFetcher:
         first refusal cancels the rest. `where` names the request's field of images in the refusals about all
         of them (their number, the deadline)."""
         self.vet(urls, fields, where)
-        shared = self._for_this_loop()
-        gate = asyncio.Semaphore(min(CONCURRENT_FETCHES, self.limits.connections))
+        slots = self._slots()
+        at_once = min(CONCURRENT_FETCHES, self.limits.connections)
+        gate = asyncio.Semaphore(at_once)
         budget = _Budget(self.limits.total_bytes)
+        transport = httpx.AsyncHTTPTransport(verify=_tls(), trust_env=False, limits=httpx.Limits(
+            max_connections=at_once, max_keepalive_connections=0))
 
         async def one(url: str, field: str) -> bytes:
-            async with gate, shared.slots:
-                return await self.fetch(shared.client, url, field, budget)
+            async with gate, slots:
+                return await self.fetch(transport, url, field, budget)
 
         try:
             async with asyncio.timeout(self.limits.deadline):
@@ -152,30 +162,38 @@ class ImageFetcher:
                            f" {self.limits.deadline:g} s in all (wde serve --image-fetch-deadline)", where) from None
         except BaseExceptionGroup as failed:
             raise _first(failed) from None
+        finally:  # every connection of the request closed, even one a cancelled fetch left behind
+            await asyncio.shield(transport.aclose())
         return [t.result() for t in tasks]
 
-    async def fetch(self, client: httpx.AsyncClient, url: str, field: str, budget: "_Budget") -> bytes:
+    async def fetch(self, transport: httpx.AsyncBaseTransport, url: str, field: str, budget: "_Budget") -> bytes:
         """One image, within the timeout, the byte limits and the host list (redirects included)."""
         try:
             async with asyncio.timeout(self.timeout):
-                return await self._follow(client, url, field, budget)
+                return await self._follow(transport, url, field, budget)
         except (TimeoutError, httpx.TimeoutException):
             raise ApiError("bad_image", f"{field}: fetching {_short(url)} took longer than {self.timeout:g} s (wde"
                            " serve --image-fetch-timeout)", field) from None
-        except (httpx.HTTPError, OSError, ValueError) as e:  # what a host or the network can make go wrong
+        except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as e:  # what a host or network can do
             raise ApiError("bad_image", f"{field}: cannot fetch {_short(url)}: {type(e).__name__}: {e}",
                            field) from None
 
-    async def _follow(self, client: httpx.AsyncClient, url: str, field: str, budget: "_Budget") -> bytes:
+    async def _follow(self, transport: httpx.AsyncBaseTransport, url: str, field: str, budget: "_Budget") -> bytes:
+        """GET `url` on the transport itself, not through an `httpx.AsyncClient`: a client parses a redirect's
+        `Location` as soon as the response arrives, even when it does not follow it, and fails there in its own
+        ways (an `InvalidURL` that is no `HTTPError`), before this fetcher can vet it."""
         current = self.check(url, field)
         for _ in range(MAX_REDIRECTS + 1):
-            async with client.stream("GET", current, headers={"accept": "image/*", "accept-encoding": "identity"}) \
-                    as response:
+            request = httpx.Request("GET", current, headers=_HEADERS)
+            response = await transport.handle_async_request(request)
+            try:
                 locations = response.headers.get_list("location")
                 if response.status_code in _REDIRECTS and locations:
                     current = self._redirect(current, locations, field)
                     continue
                 return await self._body(response, url, field, budget)
+            finally:  # to its end even when the fetch is cancelled: httpcore gives the pool's place back only then
+                await asyncio.shield(response.aclose())
         raise ApiError("bad_image", f"{field}: {_short(url)} redirects more than {MAX_REDIRECTS} times", field)
 
     def _redirect(self, current: httpx.URL, locations: list[str], field: str) -> httpx.URL:
@@ -228,25 +246,21 @@ class ImageFetcher:
         return ApiError("image_too_large", f"{field}: {_short(url)} is {size}; the image size limit is"
                         f" {self.max_bytes} bytes (input_processor.params.max_image_bytes)", field)
 
-    def _for_this_loop(self) -> "_Shared":
-        """The client and connection slots of the running event loop (one per process when serving; a test that
-        serves the same app on a new loop gets new ones, as asyncio objects belong to one loop)."""
+    def _slots(self) -> asyncio.Semaphore:
+        """The connection slots all requests share, `connections` of them: a fetch holds one from before it
+        connects until its connection is closed. One set per event loop (one loop per process when serving; a
+        test that serves the same app on a new loop gets new ones, as asyncio objects belong to one loop)."""
         loop = asyncio.get_running_loop()
-        if self._shared is None or self._shared.loop is not loop:
-            self._shared = _Shared(loop, self.limits.connections)
-        return self._shared
+        if self._shared is None or self._shared[0] is not loop:
+            self._shared = (loop, asyncio.Semaphore(self.limits.connections))
+        return self._shared[1]
 
 
-class _Shared:
-    """One event loop's fetching client and the slots that bound its connections: a fetch takes a slot before it
-    connects, and the client's pool holds at most as many connections, none kept alive after its response."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, connections: int) -> None:
-        self.loop = loop
-        self.slots = asyncio.Semaphore(connections)
-        self.client = httpx.AsyncClient(
-            follow_redirects=False, trust_env=False, timeout=httpx.Timeout(None),  # fetch() times each fetch
-            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=0))
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """The TLS settings of every fetch (the system's CA certificates as httpx reads them, not the environment's),
+    made once: each request's transport would otherwise load the certificates again."""
+    return httpx.create_ssl_context(trust_env=False)
 
 
 class _Budget:
