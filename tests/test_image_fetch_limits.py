@@ -459,3 +459,22 @@ def test_file_descriptors_never_run_out(own_server: tuple[str, int], site: Limit
     assert [r.status_code for r in answers] == [200] * 32, [r.text for r in answers if r.status_code != 200][:2]
     assert site.kinds["pause"] == 32 * 8 and 8 < site.peak <= 32, (site.kinds, site.peak)  # overlapping, bounded
     assert len(os.listdir(f"/proc/{pid}/fd")) < FILES // 2  # nothing left open after
+
+
+# -- configuration -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("name", "value"), [("image_fetch_max_urls", 0), ("image_fetch_max_bytes", 0),
+                                             ("image_fetch_connections", 0), ("image_fetch_deadline", 0)])
+def test_fetch_limits_that_would_refuse_everything_are_refused_at_start(name: str, value: int) -> None:
+    from click.testing import CliRunner
+
+    from wde.cli import main
+    from wde.server import ServerConfig
+    from wde.server.config import LimitError
+
+    with pytest.raises(LimitError, match=name):
+        ServerConfig(**{name: value})
+    option = "--" + name.replace("_", "-")
+    assert option in CliRunner().invoke(main, ["serve", "--help"]).output
+    bad = CliRunner().invoke(main, ["serve", option, str(value), "--api-servers", "0"])
+    assert bad.exit_code == 1 and option in bad.output, bad.output
