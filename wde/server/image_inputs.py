@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from wde.server.errors import ApiError
+from wde.server.service import unless_disconnected
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -89,8 +90,6 @@ async def image_inputs(svc: "Service", request: "Request", values: Sequence[Any]
         else:
             raise ApiError("bad_image", f"{name} is neither a data:image/...;base64,... URI nor an image URL", name)
     if urls:
-        from wde.server.service import unless_disconnected
-
         fetcher = svc.fetcher
         assert fetcher is not None
         links, fields = [u for _, u, _ in urls], [n for _, _, n in urls]
