@@ -8,8 +8,8 @@ N API-server processes (`wde.server.api_server`), then watches all of them.
 An API server that dies (killed, crashed, out of memory) takes the connections it holds with it: their clients
 see the connection reset, and the connections waiting in its backlog are reset too. The others keep serving; the
 launcher tells the core to drop the dead one's requests (`wire.Gone`) and starts a new process in its place, with
-one log line. That restart is limited: an API server that dies `API_RESTARTS` times within `API_RESTART_WINDOW_S`
-makes the launcher stop the server and exit 3 (`EXIT_GAVE_UP`, for a supervisor to restart the whole server), and
+one log line. That restart is limited: an API server that dies more than `API_RESTARTS` times within
+`API_RESTART_WINDOW_S` makes the launcher stop the server and exit 3 (`EXIT_GAVE_UP`, for a supervisor to restart the whole server), and
 one that dies before it serves `START_FAILURES` times in a row (it cannot start: its log says why) makes it exit 1
 with one line, as any start-up failure does. Restarts after a start-up failure wait `START_BACKOFF_S`, doubled
 each time. If the core dies, the API servers answer 503 and stop, and the launcher stops the rest and exits 3.
