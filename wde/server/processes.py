@@ -9,10 +9,11 @@ An API server that dies (killed, crashed, out of memory) takes the connections i
 see the connection reset, and the connections waiting in its backlog are reset too. The others keep serving; the
 launcher tells the core to drop the dead one's requests (`wire.Gone`) and starts a new process in its place, with
 one log line. That restart is limited: an API server that dies more than `API_RESTARTS` times within
-`API_RESTART_WINDOW_S` makes the launcher stop the server and exit 3 (`EXIT_GAVE_UP`, for a supervisor to restart the whole server), and
-one that dies before it serves `START_FAILURES` times in a row (it cannot start: its log says why) makes it exit 1
-with one line, as any start-up failure does. Restarts after a start-up failure wait `START_BACKOFF_S`, doubled
-each time. If the core dies, the API servers answer 503 and stop, and the launcher stops the rest and exits 3.
+`API_RESTART_WINDOW_S` makes the launcher stop the server and exit 3 (`EXIT_GAVE_UP`, for a supervisor to restart
+the whole server), and one that dies before it serves `START_FAILURES` times in a row (it cannot start: its log
+says why) makes it exit 1 with one line, as any start-up failure does. Restarts after a start-up failure wait
+`START_BACKOFF_S`, doubled each time. If the core dies, the API servers answer 503 and stop, and the launcher stops
+the rest and exits 3.
 
 SIGINT/SIGTERM stop the API servers first (each finishes its requests in flight), then the core; the exit code is
 0. A stop signal sent to the whole process group or control group (Ctrl-C in a terminal, `kill -- -PGID`, GNU
