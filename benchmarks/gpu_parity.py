@@ -208,12 +208,21 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown workflow(s) for --only: {', '.join(unknown)}")
     worst = 1.0
+    unbuilt: list[str] = []
+    """Families whose tiny reference model this transformers cannot build: reported, not counted as failures."""
     print(f"{'workflow':38} {'backend':14} min cosine per output ({args.dtype} {args.device} vs float32 cpu)")
     for workflow, build, overrides, inputs, params in fams:
         if only and workflow not in only:
             continue
-        with stdout_to_stderr():
-            path = build()
+        try:
+            with stdout_to_stderr():
+                path = build()
+        except ImportError as e:  # the GPU image's transformers may predate a family (5.17 has no GteModel)
+            import transformers
+
+            unbuilt.append(workflow)
+            print(f"{workflow:38} {'-':14} not built: transformers {transformers.__version__} lacks it ({e})")
+            continue
         with Engine.from_workflow(workflow, path, device="cpu", dtype="float32", **overrides) as cpu:
             ref = cpu.encode(inputs, params)
             vocab = cpu.tokenizer.vocab_size
@@ -242,6 +251,8 @@ def main() -> None:
     ok = worst >= args.threshold and not missing
     if missing:
         print(f"bundled workflows with no family here: {', '.join(missing)}")
+    if unbuilt:
+        print(f"not compared (the installed transformers cannot build their reference): {', '.join(unbuilt)}")
     print(f"worst cosine {worst:.6f} (threshold {args.threshold}): {'PASS' if ok else 'FAIL'}")
     sys.exit(0 if ok else 1)
 
