@@ -112,7 +112,8 @@ def test_an_unforeseen_start_up_failure_is_one_line_too(monkeypatch: pytest.Monk
     ("--max-client-batch-size", "0", "at least 1"), ("--payload-limit", "0", "at least 1"),
     ("--request-timeout", "-1", "0 or more"), ("--stall-timeout", "-0.5", "0 or more"),
     ("--header-timeout", "nan", "0 or more"), ("--body-timeout", "inf", "0 or more"),
-    ("--image-fetch-timeout", "0", "above 0")])
+    ("--image-fetch-timeout", "0", "above 0"), ("--max-image-pixels", "0", "at least 1"),
+    ("--max-image-aspect-ratio", "0.5", "at least 1"), ("--max-request-image-pixels", "-1", "at least 1")])
 @pytest.mark.parametrize("api_servers", ["0", "2"])
 def test_a_numeric_option_below_its_minimum_is_one_line_and_exit_1(monkeypatch: pytest.MonkeyPatch, option: str,
                                                                     value: str, bound: str, api_servers: str) -> None:

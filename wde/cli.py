@@ -237,7 +237,14 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_fi
 
 def image_limit_overrides(**limits: float | None) -> list[str]:
     """The image limits given as `wde serve` options, as the `--set` overrides of the input processor's params
-    they are (wde/components/image_limits.py); a text-only workflow refuses them at start-up by name."""
+    they are (wde/components/image_limits.py); a text-only workflow refuses them at start-up by name. A value
+    below its minimum is a `LimitError` (one line, exit 1), as the serve options ServerConfig checks are."""
+    from wde.server.config import LimitError
+
+    for name, value in limits.items():
+        if value is not None and value < 1:
+            bound = "a ratio, at least 1" if name == "max_image_aspect_ratio" else "an integer, at least 1"
+            raise LimitError(name, value, bound, "it would refuse every image")
     return [f"input_processor.params.{name}={value}" for name, value in limits.items() if value is not None]
 
 
@@ -299,13 +306,13 @@ def image_limit_overrides(**limits: float | None) -> list[str]:
               help="the most all the image fetches of one request may take together; then they stop and it is 400")
 @click.option("--image-fetch-connections", default=32, show_default=True, type=int, metavar="N",
               help="connections for fetching images the server holds at once, all requests together")
-@click.option("--max-image-pixels", default=None, type=click.IntRange(min=1), metavar="PIXELS",
+@click.option("--max-image-pixels", default=None, type=int, metavar="PIXELS",
               help="image-text models: refuse an image whose header says width x height is over this (413) before"
                    " decoding it (default 33,554,432; input_processor.params.max_image_pixels)")
-@click.option("--max-image-aspect-ratio", default=None, type=click.FloatRange(min=1), metavar="RATIO",
+@click.option("--max-image-aspect-ratio", default=None, type=float, metavar="RATIO",
               help="image-text models: refuse an image whose longer side is over RATIO times its shorter one (413)"
                    " before decoding it (default 200; input_processor.params.max_image_aspect_ratio)")
-@click.option("--max-request-image-pixels", default=None, type=click.IntRange(min=1), metavar="PIXELS",
+@click.option("--max-request-image-pixels", default=None, type=int, metavar="PIXELS",
               help="image-text models: refuse a request whose images add up to more pixels than this (413) before"
                    " decoding any (default 268,435,456; input_processor.params.max_request_image_pixels)")
 @click.option("--log-level", default="info", show_default=True,
