@@ -20,7 +20,7 @@ import wde
 from wde.async_engine import AsyncEngine
 from wde.core.client import CoreClient
 from wde.engine import Engine
-from wde.server import cohere_routes, openai_routes, rerank_routes, score_routes, tei_routes
+from wde.server import cohere_routes, openai_routes, rerank_routes, score_routes, tei_routes, weaviate_routes
 from wde.server.config import ServerConfig
 from wde.server.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
 from wde.server.heap import frozen_heap
@@ -31,7 +31,8 @@ from wde.server.service import ClientDisconnected, Service
 from wde.server.startup import check_metrics_dir, listen, startup_line
 from wde.server.timeouts import BodyTimeoutMiddleware, client_gone, http_protocol
 
-_ROUTERS = (openai_routes.router, score_routes.router, rerank_routes.router, cohere_routes.router, tei_routes.router)
+_ROUTERS = (openai_routes.router, score_routes.router, rerank_routes.router, cohere_routes.router, tei_routes.router,
+            weaviate_routes.router)
 
 
 def create_app(engine: Engine | CoreClient, config: ServerConfig | None = None) -> FastAPI:

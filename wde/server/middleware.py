@@ -31,12 +31,17 @@ Send = Callable[[dict], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health", "/ping"})
+WEAVIATE_VECTORS_PATHS = frozenset({"/vectors", "/vectors/"})
+"""Weaviate's text2vec-transformers POST routes (wde/server/weaviate_routes.py): Weaviate's client sends its body
+without a Content-Type, so there a missing one is taken as JSON (`JsonContentTypeMiddleware`); and its errors
+come in TEI's shape, whose `error` string that client reads."""
 _SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
 async def send_error(send: Send, scope: Scope, error: ApiError, headers: list[tuple[bytes, bytes]] = ()) -> None:
     """Answer with `error` in the shape the path's clients expect, before any handler ran."""
-    body = json.dumps(error_body(error, "tei" if scope["path"] in TEI_PATHS else "openai")).encode()
+    tei = scope["path"] in TEI_PATHS or scope["path"] in WEAVIATE_VECTORS_PATHS
+    body = json.dumps(error_body(error, "tei" if tei else "openai")).encode()
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(b"content-type", b"application/json"), *headers]})
     await send({"type": "http.response.body", "body": body})
@@ -218,7 +223,11 @@ class JsonContentTypeMiddleware:
     """POST routes (`paths`) take JSON only: another Content-Type, or none, is 415 before the body is read.
 
     Without this a web page could make a browser POST `text/plain` or form data to the server, a cross-origin
-    request that needs no CORS preflight."""
+    request that needs no CORS preflight.
+
+    One exception, for Weaviate, whose client sends no Content-Type: a POST to `WEAVIATE_VECTORS_PATHS` without
+    the header is read as JSON (a wrong one is still 415). A page can send a body without a type (a Blob), but a
+    browser's fetch carries `Origin`, which `OriginMiddleware` refuses before this check unless allowed."""
 
     def __init__(self, app: ASGIApp, paths: frozenset[str]) -> None:
         self.app = app
@@ -228,8 +237,9 @@ class JsonContentTypeMiddleware:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
             await self.app(scope, receive, send)
             return
-        problem = json_content_problem(dict(scope["headers"]).get(b"content-type"))
-        if problem is None:
+        content_type = dict(scope["headers"]).get(b"content-type")
+        problem = json_content_problem(content_type)
+        if problem is None or content_type is None and scope["path"] in WEAVIATE_VECTORS_PATHS:
             await self.app(scope, receive, send)
             return
         await send_error(send, scope, ApiError("unsupported_media", problem), [(b"accept-post", JSON_TYPE.encode())])
