@@ -1,17 +1,19 @@
-"""/rerank and /v1/rerank: one path, two request shapes; /v2/rerank (Cohere v2, vLLM).
+"""/rerank and /v1/rerank: one path, several request shapes, each answered in its own client's shape; /v2/rerank
+(Cohere v2, vLLM).
 
 A body with `documents` is Cohere/Jina/vLLM/Infinity-style and gets `{"id", "object": "rerank", "created",
 "model", "results": [{index, relevance_score, document}], "usage": {prompt_tokens, total_tokens}}`, which each of
-those clients reads; `document` is `{"text": ...}` (Cohere, Jina, vLLM) except for infinity_client's body (it always
-sends `model`, `return_documents` and `raw_scores`), which gets Infinity's plain string. A body with `texts` is
-TEI's and gets TEI's bare list `[{index, score, text?}]` (and TEI's error shape).
+those clients reads; `document` is `{"text": ...}` (Cohere, Jina, vLLM) except for Infinity's clients, which get
+Infinity's plain string. A body with `texts` is TEI's and gets TEI's bare list `[{index, score, text?}]` (and TEI's
+error shape). The bodies alone cannot always tell the clients apart, so `answer_shape` also reads the path and the
+client's User-Agent; docs/http_api.md states the rule.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 
@@ -43,18 +45,50 @@ async def rerank(request: Request) -> JSONResponse:
 INFINITY_CLIENT_KEYS = frozenset({"model", "return_documents", "raw_scores"})
 """What infinity_client's RerankInput always sends (with its defaults when its user gives none)."""
 
+LITELLM_AGENT = "litellm/"
+"""litellm's User-Agent (`litellm/<version>`). Its `infinity/` provider posts `{api_base}/rerank` and validates each
+`document` as a string; its `hosted_vllm/` provider sends the very same body, headers and path but reads
+`document["text"]`. Infinity's default route (the root `/rerank`) goes to Infinity; hosted_vllm's `api_base=URL/v1`
+reaches `/v1/rerank`, which keeps vLLM's object."""
+
+ELASTIC_AGENT = "apache-httpasyncclient/"
+"""Elasticsearch's inference plugin posts with Apache HttpAsyncClient and no User-Agent of its own, so the
+client's default (`Apache-HttpAsyncClient/4.1.x (Java/...)`) arrives. Its `hugging_face` rerank service parses only a
+top-level array; versions that send `{query, documents, top_n}` instead of TEI's `texts` are told apart by it."""
+
+Shape = Literal["tei", "elastic", "infinity", "documents"]
+
+
+def answer_shape(request: Request, raw: Any, tei: bool = False) -> Shape:
+    """Which answer a rerank body gets. `tei`: the body came to TEI's root route (`/`, `/invocations`), where no
+    Cohere/Jina/vLLM/Infinity client posts, so even a `documents` body (Elastic's, pointed at an endpoint's root URL as
+    Hugging Face endpoints are) gets TEI's array."""
+    if not isinstance(raw, dict) or "documents" not in raw:
+        return "tei" if tei or isinstance(raw, dict) and "texts" in raw else "documents"
+    agent = request.headers.get("user-agent", "").lower()
+    if tei or agent.startswith(ELASTIC_AGENT):
+        return "elastic"
+    if INFINITY_CLIENT_KEYS <= raw.keys():
+        return "infinity"
+    if agent.startswith(LITELLM_AGENT) and not request.url.path.rstrip("/").endswith("/v1/rerank"):
+        return "infinity"
+    return "documents"
+
 
 async def rerank_body(request: Request, raw: Any, tei: bool = False) -> JSONResponse:
-    """Rerank a parsed JSON body in the shape it was sent in: TEI's with `texts` (or, when `tei`, with neither
+    """Rerank a parsed JSON body in the shape `answer_shape` picks: TEI's with `texts` (or, when `tei`, with neither
     `texts` nor `documents`: TEI's root route names what is missing in TEI's shape), else with `documents`."""
     svc: Service = request.app.state.service
-    documents = isinstance(raw, dict) and "documents" in raw
-    if not documents and (tei or isinstance(raw, dict) and "texts" in raw):
+    shape = answer_shape(request, raw, tei)
+    if shape == "tei":
         request.state.error_style = "tei"
         return await _tei_rerank(svc, request, parse(TeiRerankRequest, raw))
+    if shape == "elastic":
+        request.state.error_style = "tei"
+        return await _documents_as_tei(svc, request, parse(RerankRequest, raw))
     request.state.error_style = "openai"
-    flat = isinstance(raw, dict) and INFINITY_CLIENT_KEYS <= raw.keys()
-    return await _documents_rerank(svc, request, parse(RerankRequest, raw), truncate=False, flat_documents=flat)
+    return await _documents_rerank(svc, request, parse(RerankRequest, raw), truncate=False,
+                                   flat_documents=shape == "infinity")
 
 
 @router.post("/v2/rerank", openapi_extra=body_schema(CohereRerankRequest))
@@ -98,5 +132,21 @@ async def _tei_rerank(svc: Service, request: Request, body: TeiRerankRequest) ->
     params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
                            activation=False if body.raw_scores else None, outputs=("score",))
     ranked, result = await _scores(svc, request, body.query, body.texts, params, "texts")
-    ranks = [{"index": i, "score": s, **({"text": body.texts[i]} if body.return_text else {})} for i, s in ranked]
-    return JSONResponse(ranks, headers=result.headers)
+    return JSONResponse(_tei_ranks(ranked, body.texts, body.return_text), headers=result.headers)
+
+
+async def _documents_as_tei(svc: Service, request: Request, body: RerankRequest) -> JSONResponse:
+    """A `documents` body answered as TEI answers `texts` (Elastic's `hugging_face` service): `return_documents` is
+    TEI's `return_text`, `top_n` keeps the best n."""
+    svc.check_model(body.model)
+    docs = [d.text if isinstance(d, Document) else d for d in body.documents]
+    params = PoolingParams(truncate=body.truncate, activation=False if body.raw_scores else None, outputs=("score",))
+    ranked, result = await _scores(svc, request, body.query, docs, params, "documents")
+    if body.top_n:
+        ranked = ranked[:body.top_n]
+    return JSONResponse(_tei_ranks(ranked, docs, body.return_documents), headers=result.headers)
+
+
+def _tei_ranks(ranked: list[tuple[int, float]], texts: list[str], with_text: bool) -> list[dict]:
+    """TEI's bare list, best first: only `index`, `score` and `text`, the keys Elastic's parser accepts."""
+    return [{"index": i, "score": s, **({"text": texts[i]} if with_text else {})} for i, s in ranked]
