@@ -41,6 +41,7 @@ RECIPES = {
     "Hugging Face — `huggingface_hub.InferenceClient`": {"similarities"},
     "LangChain — `langchain-openai`": {"query", "query_vector"},
     "LangChain — `langchain-huggingface`": {"query", "query_vector"},
+    "LangChain — `langchain-cohere`": {"query", "query_vector"},
     "LlamaIndex — `llama-index-embeddings-openai`": {"query", "query_vector"},
     "Haystack — TEI embedders (`huggingface-api-haystack`)": {"query", "query_vector"},
     "Haystack — OpenAI embedders (`haystack-ai`)": {"query", "query_vector"},

@@ -1,12 +1,13 @@
 """Cohere v2 /v2/embed: embeddings by type (float, int8, uint8, binary, ubinary, base64), `input_type` mapped
 to the workflow's prompts; texts (`texts`, text content) and, for an image-text model, images (`images`, image_url
-content). /v2/rerank lives with the other rerank routes (rerank_routes.py)."""
+content). Cohere v1 /v1/embed (`cohere.Client.embed`, langchain-cohere's `CohereEmbeddings`) is the same
+embedding in v1's body and answer. /v2/rerank lives with the other rerank routes (rerank_routes.py)."""
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -14,7 +15,8 @@ from fastapi import APIRouter, Request
 from wde.request import PoolingParams
 from wde.server.errors import ApiError
 from wde.server.image_inputs import check_one_part, image_inputs, require_images, text_input
-from wde.server.protocol import CohereEmbedRequest, CohereImage, body_schema, parse, read_json
+from wde.server.protocol import (Body, CohereEmbeddingType, CohereEmbedRequest, CohereImage, body_schema, parse,
+                                 read_json)
 from wde.server.quantize import quantize_rows, to_base64
 from wde.server.responses import JSONResponse
 from wde.server.service import Service
@@ -116,12 +118,10 @@ async def _resolve(request: Request, svc: Service, out: _Inputs) -> None:
     out.items = [next(resolved) if item is None else item for item in out.items]
 
 
-@router.post("/v2/embed", openapi_extra=body_schema(CohereEmbedRequest))
-async def embed(request: Request) -> JSONResponse:
-    svc: Service = request.app.state.service
-    body = parse(CohereEmbedRequest, await read_json(request))
+async def _embed(request: Request, svc: Service, body: CohereEmbedRequest, route: str) -> tuple[_Inputs, Any]:
+    """Embed what a Cohere body asks for (v1's body comes here as a v2 one): the inputs and the engine's result."""
     svc.check_model(body.model)
-    svc.require("dense", "/v2/embed")
+    svc.require("dense", route)
     inputs = _inputs(svc, body)
     if not inputs.items:
         raise ApiError("empty", f"{inputs.field} is empty: send at least one input", inputs.field)
@@ -132,10 +132,13 @@ async def embed(request: Request) -> JSONResponse:
                            prompt_name=prompt_name(body.input_type, prompts), dimensions=body.output_dimension,
                            outputs=("dense",))
     await _resolve(request, svc, inputs)
-    result = await svc.run(request, inputs.items, params, inputs.field, inputs.names, images=True)
-    floats = [np.asarray(v, dtype=np.float32) for v in result.dense]
+    return inputs, await svc.run(request, inputs.items, params, inputs.field, inputs.names, images=True)
+
+
+def _by_type(svc: Service, floats: list[np.ndarray], types: list[str]) -> dict[str, list]:
+    """`embeddings` of an `embeddings_by_type` answer: each asked type once, in the order asked."""
     embeddings: dict[str, list] = {}
-    for kind in dict.fromkeys(body.embedding_types or ["float"]):
+    for kind in dict.fromkeys(types):
         if kind == "float":
             embeddings[kind] = floats
         elif kind == "base64":
@@ -143,11 +146,70 @@ async def embed(request: Request) -> JSONResponse:
         else:
             embeddings[kind] = quantize_rows(floats, kind, svc.config.quantization_ranges,  # type: ignore[arg-type]
                                              "embedding_types")
-    tokens = result.prompt_tokens
-    billed: dict[str, int] = {"input_tokens": tokens}
+    return embeddings
+
+
+def _billed(inputs: _Inputs, tokens: int) -> dict[str, int]:
+    """Cohere's `meta.billed_units`: the tokens embedded, and the images (Cohere bills those per image)."""
+    billed = {"input_tokens": tokens}
     if inputs.images:
         billed["images"] = len(inputs.images)
+    return billed
+
+
+@router.post("/v2/embed", openapi_extra=body_schema(CohereEmbedRequest))
+async def embed(request: Request) -> JSONResponse:
+    svc: Service = request.app.state.service
+    body = parse(CohereEmbedRequest, await read_json(request))
+    inputs, result = await _embed(request, svc, body, "/v2/embed")
+    floats = [np.asarray(v, dtype=np.float32) for v in result.dense]
+    tokens = result.prompt_tokens
     return JSONResponse({"id": f"embed-{uuid.uuid4().hex}", "response_type": "embeddings_by_type",
-                         "embeddings": embeddings, "texts": inputs.texts,
-                         "meta": {"api_version": {"version": "2"}, "billed_units": billed,
+                         "embeddings": _by_type(svc, floats, body.embedding_types or ["float"]),
+                         "texts": inputs.texts,
+                         "meta": {"api_version": {"version": "2"}, "billed_units": _billed(inputs, tokens),
                                   "tokens": {"input_tokens": tokens}}}, headers=result.headers)
+
+
+class CohereV1EmbedRequest(Body):
+    """Cohere v1 /v1/embed: exactly what cohere's v1 `Client.embed` sends (cohere 7.3's raw_base_client.py)."""
+
+    texts: list[str] | None = None
+    images: list[str] | None = None
+    """data:image URIs (or, with --allow-image-fetch, http(s) URLs) for an image-text model."""
+    model: str | None = None
+    input_type: str | None = None
+    """As /v2/embed's: Cohere's input types mapped to the workflow's prompts, or a prompt's own name."""
+    embedding_types: list[CohereEmbeddingType] | None = None
+    """Left out: the v1 float answer (`embeddings_floats`); given: the by-type answer, as v2's."""
+    truncate: Literal["NONE", "START", "END"] | None = None
+    """Left out or null (langchain-cohere sends null when its `truncate` is unset): Cohere's default, END."""
+
+
+_V2_ONLY = ("inputs", "max_tokens", "output_dimension", "priority")
+"""Fields of /v2/embed that Cohere's v1 body does not have: refused by name on /v1/embed, not silently dropped
+(a client sending `output_dimension` there would otherwise get full-width vectors without a word)."""
+
+
+@router.post("/v1/embed", openapi_extra=body_schema(CohereV1EmbedRequest))
+async def embed_v1(request: Request) -> JSONResponse:
+    """Cohere v1's answer: `embeddings_floats` (a plain list of vectors) unless `embedding_types` is given.
+    A refused request is a 4xx other than 408/409/429, which cohere's client answers at once without retrying."""
+    svc: Service = request.app.state.service
+    raw = await read_json(request)
+    for name in _V2_ONLY:
+        if isinstance(raw, dict) and name in raw:
+            raise ApiError("validation", f"{name} is a Cohere v2 field, which /v1/embed (Cohere v1) does not take:"
+                           f" send it to /v2/embed (cohere.ClientV2)", name)
+    v1 = parse(CohereV1EmbedRequest, raw)
+    inputs, result = await _embed(request, svc, CohereEmbedRequest(**v1.model_dump(exclude_none=True)), "/v1/embed")
+    floats = [np.asarray(v, dtype=np.float32) for v in result.dense]
+    answer: dict[str, Any] = {"id": f"embed-{uuid.uuid4().hex}", "texts": inputs.texts,
+                              "meta": {"api_version": {"version": "1"},
+                                       "billed_units": _billed(inputs, result.prompt_tokens)}}
+    if v1.embedding_types is None:
+        answer.update(response_type="embeddings_floats", embeddings=floats)
+    else:
+        by_type = _by_type(svc, floats, v1.embedding_types or ["float"])
+        answer.update(response_type="embeddings_by_type", embeddings=by_type)
+    return JSONResponse(answer, headers=result.headers)
