@@ -190,9 +190,9 @@ def test_embed_all_on_the_default_sentence_pooler(url: str, minilm_path: Path, s
         assert np.array(states).shape == ref.shape and _close(states, ref)  # raw states, [CLS]/[SEP] included
     tokens = st_model.encode(TEXTS[1], output_value="token_embeddings")
     assert _close(got.json()[1], tokens)
-    # the same server's other routes are unchanged: /pooling gives only what was always its default
+    # the same server's other routes are unchanged: /pooling gives only the embedding (vLLM's `data`)
     pooled = httpx.post(f"{url}/pooling", json={"input": TEXTS[0]}).json()["data"][0]
-    assert set(pooled) == {"object", "index", "dense"}
+    assert set(pooled) == {"object", "index", "data"}
     both = httpx.post(f"{url}/pooling", json={"input": TEXTS[0], "outputs": ["dense", "token_embeddings"]}).json()
     assert np.array(both["data"][0]["token_embeddings"]).shape == (len(tok(TEXTS[0])["input_ids"]), 384)
 

@@ -160,11 +160,16 @@ def test_bge_m3_pooling_and_embed_sparse(bge_m3: tuple[str, Engine]) -> None:
     expected = offline.encode(texts, PoolingParams(outputs=("dense", "sparse", "colbert")))
     body = httpx.post(f"{url}/pooling", json={"input": texts}).json()
     for item, out in zip(body["data"], expected):
-        assert np.abs(np.array(item["dense"]) - out.outputs["dense"]).max() <= 1e-5
+        assert set(item) == {"object", "index", "data", "sparse", "colbert"}  # vLLM's `data`: the embedding
+        assert np.abs(np.array(item["data"]) - out.outputs["dense"]).max() <= 1e-5
         assert np.abs(np.array(item["colbert"]) - out.outputs["colbert"]).max() <= 1e-5
         assert {int(k): v for k, v in item["sparse"].items()} == pytest.approx(out.outputs["sparse"], abs=1e-5)
     only = httpx.post(f"{url}/pooling", json={"input": texts[0], "outputs": ["sparse"]}).json()["data"][0]
-    assert set(only) == {"object", "index", "sparse"}
+    assert set(only) == {"object", "index", "data", "sparse"}
+    colbert = httpx.post(f"{url}/pooling", json={"input": texts, "task": "token_embed", "outputs": []}).json()
+    for item, out in zip(colbert["data"], expected):  # vLLM's token_embed: one vector per token, bge-m3's ColBERT
+        assert set(item) == {"object", "index", "data"}
+        assert np.abs(np.array(item["data"]) - out.outputs["colbert"]).max() <= 1e-5
     sparse = httpx.post(f"{url}/embed_sparse", json={"inputs": texts}).json()
     for row, out in zip(sparse, expected):
         assert {v["index"]: v["value"] for v in row} == pytest.approx(out.outputs["sparse"], abs=1e-5)

@@ -209,7 +209,7 @@ def test_embed_sparse_route(served: tuple[str, Engine], splade: Path) -> None:
         worst, differ = compare([{v["index"]: v["value"] for v in alone[0]}], got[:1])
         assert worst <= BATCH_TOLERANCE and differ == 0, (worst, differ)
     pooled = httpx.post(f"{url}/pooling", json={"input": texts[:2]}).json()["data"]
-    worst, differ = compare([{int(k): v for k, v in d["sparse"].items()} for d in pooled], got[:2])
+    worst, differ = compare([{int(k): v for k, v in d["data"].items()} for d in pooled], got[:2])
     assert len(pooled) == 2 and worst <= BATCH_TOLERANCE and differ == 0, (worst, differ)
     card = httpx.get(f"{url}/v1/models").json()["data"][0]
     assert card["outputs"] == ["sparse"] and card["workflow"] == "splade"

@@ -58,6 +58,9 @@ class PoolingParams:
     dimensions: int | None = None
     outputs: tuple[str, ...] | None = None
     activation: bool | None = None
+    max_tokens: int | None = None
+    """Truncate to at most this many tokens (special tokens included), below the model's limit: vLLM's
+    `truncate_prompt_tokens` N. Implies truncation; None: the model's limit, truncated only with `truncate`."""
     prompt_tokens: int = 0
     """Set by the input processor, not by users: how many leading tokens are the instruction prompt
     (sentence-transformers' `prompt_length`), for a pooler that leaves the prompt out (`include_prompt: false`)."""

@@ -83,9 +83,12 @@ class LazyTokenizeRequestProcessor(Component):
 
     def _check_length(self, request: Request, ids: list[int], types: list[int] | None,
                       limit: int) -> SchedulableRequest | RequestError:
+        cap = request.params.max_tokens
+        if cap is not None:
+            limit = min(limit, cap)
         if len(ids) <= limit:
             return SchedulableRequest(request, ids, types)
-        if not request.params.truncate:
+        if not request.params.truncate and cap is None:
             return RequestError(
                 f"input has {len(ids)} tokens, more than the limit of {limit} (model max length {self.max_length});"
                 " shorten it or set truncate=true", "input", kind="too_long")

@@ -1,11 +1,14 @@
 """OpenAI-compatible routes: /v1/embeddings (also at /embeddings, where TEI and Infinity serve it), /v1/models,
-/v1/models/{id}, Infinity's /models, and /pooling (every output, e.g. bge-m3's dense + sparse + colbert, in
-OpenAI's list envelope).
+/v1/models/{id}, Infinity's /models, and vLLM's /pooling (the task's output in `data[i].data`, plus e.g. bge-m3's
+sparse + colbert under their own names).
 
 /v1/embeddings takes OpenAI's body (`input`: texts), Infinity's `modality: "image"` (`input`: image URLs or data
 URIs) and vLLM's chat-style body (`messages`, wde/server/chat_embeddings.py), for images of an image-text model."""
 
 from __future__ import annotations
+
+import time
+import uuid
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -19,6 +22,7 @@ from wde.server.protocol import (ChatEmbeddingRequest, EmbeddingOptions, Embeddi
 from wde.server.quantize import quantize_rows, to_base64
 from wde.server.responses import JSONResponse
 from wde.server.service import Result, Service, to_json
+from wde.server.truncation import truncation
 
 router = APIRouter()
 
@@ -76,8 +80,8 @@ async def embeddings(request: Request) -> JSONResponse:
 async def _embed(request: Request, svc: Service, body: EmbeddingOptions, inputs: list, names: list[str],
                  images: bool = False) -> JSONResponse:
     """Embed `inputs` with the body's options, in OpenAI's list envelope."""
-    params = PoolingParams(truncate=body.truncate, prompt_name=body.prompt_name, dimensions=body.dimensions or None,
-                           outputs=("dense",))
+    params = PoolingParams(**truncation(body, svc.info.max_length, body.truncate), prompt_name=body.prompt_name,
+                           dimensions=body.dimensions or None, outputs=("dense",))
     result = await svc.run(request, inputs, params, "input", names, images=images)
     vectors = quantize_rows(result.dense, body.embed_dtype, svc.config.quantization_ranges, "embed_dtype")
     data = [{"object": "embedding", "embedding": encode_vector(v, body.encoding_format), "index": i}
@@ -87,21 +91,64 @@ async def _embed(request: Request, svc: Service, body: EmbeddingOptions, inputs:
 
 @router.post("/pooling", openapi_extra=body_schema(PoolingRequest))
 async def pooling(request: Request) -> JSONResponse:
+    """vLLM's /pooling: `data[i].data` is the task's output (what vLLM's clients read); the workflow's other
+    outputs (bge-m3's sparse and colbert), or those `outputs` names, ride along under their own names."""
     svc = service(request)
     body = parse(PoolingRequest, await read_json(request))
     svc.check_model(body.model)
-    wanted = tuple(body.outputs) if body.outputs else svc.produces  # per-token states only when asked for
-    unknown = [o for o in wanted if o not in svc.supported]
+    main = _task_output(svc, body.task)
+    extras = [o for o in (body.outputs if body.outputs is not None else svc.produces) if o != main]
+    unknown = [o for o in extras if o not in svc.supported]
     if unknown:
         raise ApiError("validation", f"outputs {unknown} are not produced by this model; it produces"
                        f" {list(svc.supported)}", "outputs")
-    params = PoolingParams(truncate=body.truncate, truncation_direction=body.truncation_direction,
-                           normalize=body.normalize, prompt_name=body.prompt_name, dimensions=body.dimensions,
-                           outputs=wanted)
+    if body.encoding_format == "base64" and main == "sparse":
+        raise ApiError("validation", "encoding_format 'base64' encodes arrays, and this model's output is sparse"
+                       " {token_id: weight}; use 'float'", "encoding_format")
+    if body.use_activation is not None and body.normalize is not None:
+        raise ApiError("validation", "normalize and use_activation are both given; send one (vLLM's name is"
+                       " use_activation)", "use_activation")
+    pooled = main in ("dense", "sparse")  # use_activation: normalization for vectors, the activation for scores
+    params = PoolingParams(**truncation(body, svc.info.max_length, body.truncate, body.truncation_direction
+                                        if "truncation_direction" in body.model_fields_set else None),
+                           normalize=body.use_activation if pooled and body.normalize is None else body.normalize,
+                           activation=None if pooled else body.use_activation, prompt_name=body.prompt_name,
+                           dimensions=body.dimensions, outputs=(main, *extras))
     result = await svc.run(request, embed_items(body.input), params, "input", item_names("input", body.input))
-    data = [{"object": "pooling", "index": i, **{k: to_json(v) for k, v in o.outputs.items() if k in wanted}}
-            for i, o in enumerate(result.outputs)]
-    return _list_response(svc, data, result)
+    data = []
+    for i, o in enumerate(result.outputs):
+        value = o.outputs[main]
+        if main in ("score", "probs"):  # vLLM's classify output: one list of floats per input
+            value = np.asarray(value, dtype=np.float32).reshape(-1)
+        item = {"index": i, "object": "pooling",
+                "data": encode_vector(value, body.encoding_format) if main != "sparse" else to_json(value)}
+        item.update({k: to_json(o.outputs[k]) for k in extras})
+        data.append(item)
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    return JSONResponse({"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                         "model": svc.model_name, "data": data, "usage": usage}, headers=result.headers)
+
+
+_TASKS = {"embed": ("dense",), "classify": ("probs", "score"), "token_embed": ("colbert", "token_embeddings")}
+"""vLLM's pooling tasks → the WDE outputs that answer them, first produced wins."""
+
+
+def _task_output(svc: Service, task: str | None) -> str:
+    """The WDE output `data[i].data` holds: the task's, else the model's own (vLLM's default task: embed for an
+    embedder, classify for a classifier or cross-encoder; a sparse-only model's sparse weights)."""
+    if task is None:
+        for outputs in _TASKS.values():
+            for output in outputs:
+                if output in svc.produces:
+                    return output
+        return svc.produces[0]
+    if task not in _TASKS:
+        raise ApiError("unsupported", f"task {task!r} is not served by WDE; it serves {sorted(_TASKS)}", "task")
+    for output in _TASKS[task]:
+        if output in svc.supported:
+            return output
+    raise ApiError("unsupported", f"task {task!r} needs one of the outputs {list(_TASKS[task])}, and workflow"
+                   f" {svc.info.workflow!r} produces {list(svc.supported)}", "task")
 
 
 def _list_response(svc: Service, data: list[dict], result: Result) -> JSONResponse:

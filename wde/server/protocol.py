@@ -32,7 +32,16 @@ def _direction(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
-class EmbeddingOptions(Body):
+class PromptTruncation(Body):
+    """vLLM's per-request truncation (/v1/embeddings, /pooling, /score): wde/server/truncation.py reads it."""
+
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    """-1: truncate to the model's limit; N >= 1: to N tokens (special tokens included), at most the limit."""
+    truncation_side: Direction | None = None
+    """vLLM's: which end truncation cuts ("right" keeps the first tokens, the default; "left" the last)."""
+
+
+class EmbeddingOptions(PromptTruncation):
     """What OpenAI's /v1/embeddings takes besides the inputs, in both of its bodies (`input`, vLLM's `messages`)."""
 
     model: str | None = None
@@ -98,11 +107,20 @@ class ChatEmbeddingRequest(EmbeddingOptions):
     """vLLM's; refused when given: images are preprocessed exactly as the model's preprocessor_config.json says."""
 
 
-class PoolingRequest(Body):
-    """/pooling: every output the workflow produces (dense, sparse, colbert...), or the ones asked for."""
+PoolingTask = Literal["embed", "classify", "token_embed", "token_classify", "plugin", "embed&token_classify"]
+"""vLLM's pooling tasks; wde/server/openai_routes.py serves the first three and refuses the others by name."""
+
+
+class PoolingRequest(PromptTruncation):
+    """/pooling in vLLM's shape: `data[i].data` holds the `task`'s output; `outputs` (extension) adds WDE outputs
+    (sparse, colbert...) under their own names."""
 
     input: EmbedInput
     model: str | None = None
+    task: PoolingTask | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    use_activation: bool | None = None
+    """vLLM's: false gives the embedding unnormalized, or a classifier's / cross-encoder's logits."""
     outputs: list[str] | None = None
     truncate: bool = False
     truncation_direction: Direction = "right"
@@ -142,14 +160,25 @@ class TeiRerankRequest(Body):
     _direction = field_validator("truncation_direction", mode="before")(_direction)
 
 
-class ScoreRequest(Body):
-    """vLLM /score: pairs (equal-length lists) or one text against many."""
+ScoreSide = Union[str, list[str]]
 
-    text_1: Union[str, list[str]]
-    text_2: Union[str, list[str]]
+
+class ScoreRequest(PromptTruncation):
+    """vLLM /score: one pair of sides, each a text or a list (1:1, 1:N, N:N), under any of vLLM's field pairs:
+    `queries`/`documents`, `queries`/`items`, `data_1`/`data_2` or `text_1`/`text_2` (score_routes.py picks)."""
+
+    text_1: ScoreSide | None = None
+    text_2: ScoreSide | None = None
+    data_1: ScoreSide | None = None
+    data_2: ScoreSide | None = None
+    queries: ScoreSide | None = None
+    documents: ScoreSide | None = None
+    items: ScoreSide | None = None
     model: str | None = None
     truncate: bool = False
     raw_scores: bool = False
+    use_activation: bool | None = None
+    """vLLM's: false gives logits, as `raw_scores: true`."""
 
 
 class ClassifyRequest(Body):

@@ -1,5 +1,5 @@
-"""vLLM-style /score and /v1/score (text pairs, or one text against many) and /classify, which also speaks
-Infinity's /classify (and /v1/classify, Infinity under a /v1 prefix) for a body carrying `raw_scores`."""
+"""vLLM-style /score and /v1/score (pairs under any of vLLM's field names, 1:1, 1:N, N:N) and /classify, which
+also speaks Infinity's /classify (and /v1/classify, Infinity under a /v1 prefix) for a body carrying `raw_scores`."""
 
 from __future__ import annotations
 
@@ -15,26 +15,47 @@ from wde.server.protocol import (ClassifyRequest, InfinityClassifyRequest, Score
                                  read_json)
 from wde.server.responses import JSONResponse
 from wde.server.service import Service, scalar
+from wde.server.truncation import truncation
 
 router = APIRouter()
 
 
-def _pairs(text_1: str | list[str], text_2: str | list[str]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """vLLM's rules: a single text_1 (or a one-element list) is scored against every text_2; else zip.
+_SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
+"""vLLM's field pairs of a /score body, each naming the two sides the same way."""
 
-    Also returns each pair's field names (`text_1` or `text_1[i]`, `text_2` or `text_2[j]`) for errors.
-    """
-    left = [text_1] if isinstance(text_1, str) else text_1
-    right = [text_2] if isinstance(text_2, str) else text_2
+
+def _sides(body: ScoreRequest) -> tuple[str, str]:
+    """The one field pair `body` uses; a body giving fields of two pairs, or half a pair, is refused by name."""
+    given = [f for f in ("queries", "documents", "items", "data_1", "data_2", "text_1", "text_2")
+             if getattr(body, f) is not None]
+    complete = [pair for pair in _SIDES if set(pair) == set(given)]
+    if complete:
+        return complete[0]
+    pairs = " or ".join(f"{a}/{b}" for a, b in _SIDES)
+    if not given:
+        raise ApiError("validation", f"the texts to score are missing: send {pairs}", "text_1")
+    raise ApiError("validation", f"{', '.join(given)} given; send exactly one field pair: {pairs}", given[-1])
+
+
+def _pairs(body: ScoreRequest) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """vLLM's rules: a single first side (or a one-element list) is scored against every second; else zip (1:1,
+    N:N). Also returns each pair's field names (`queries` or `queries[i]`, `documents[j]`...) for errors."""
+    field_1, field_2 = _sides(body)
+    side_1, side_2 = getattr(body, field_1), getattr(body, field_2)
+    left = [side_1] if isinstance(side_1, str) else side_1
+    right = [side_2] if isinstance(side_2, str) else side_2
+    for field, side in ((field_1, left), (field_2, right)):
+        if not side:
+            raise ApiError("empty", f"{field} is empty: send at least one text", field)
     if len(left) != 1 and len(left) != len(right):
-        raise ApiError("validation", f"text_1 has {len(left)} texts and text_2 has {len(right)}; send one text_1"
-                       " or as many as text_2", "text_1")
+        raise ApiError("validation", f"{field_1} has {len(left)} texts and {field_2} has {len(right)}; send one"
+                       f" {field_1} or as many as {field_2}", field_1)
 
     def name(field: str, value: str | list[str], i: int) -> str:
         return field if isinstance(value, str) else f"{field}[{i}]"
 
     pairs = [(left[0 if len(left) == 1 else i], t) for i, t in enumerate(right)]
-    names = [(name("text_1", text_1, 0 if len(left) == 1 else i), name("text_2", text_2, i)) for i in range(len(right))]
+    names = [(name(field_1, side_1, 0 if len(left) == 1 else i), name(field_2, side_2, i)) for i in range(len(right))]
     return pairs, names
 
 
@@ -47,11 +68,16 @@ async def score(request: Request) -> JSONResponse:
     svc.check_model(body.model)
     if "dense" not in svc.supported:
         svc.require("score", "/score")
-    pairs, names = _pairs(body.text_1, body.text_2)
+    pairs, names = _pairs(body)
+    if body.raw_scores and body.use_activation:
+        raise ApiError("validation", "raw_scores: true and use_activation: true contradict each other; send one",
+                       "use_activation")
+    cut = truncation(body, svc.info.max_length, body.truncate)
+    second = _sides(body)[1]
     if "score" in svc.supported:
-        params = PoolingParams(truncate=body.truncate, activation=False if body.raw_scores else None,
-                               outputs=("score",))
-        result = await svc.run(request, pairs, params, "text_2", names)
+        raw = body.raw_scores or body.use_activation is False
+        params = PoolingParams(**cut, activation=False if raw else None, outputs=("score",))
+        result = await svc.run(request, pairs, params, second, names)
         scores = [scalar(o.outputs["score"]) for o in result.outputs]
     else:
         first_name: dict[str, str] = {}  # each distinct text once, named where it first appears
@@ -59,8 +85,8 @@ async def score(request: Request) -> JSONResponse:
             for text, text_name in zip(pair, pair_names):
                 first_name.setdefault(text, text_name)
         texts = list(first_name)
-        params = PoolingParams(truncate=body.truncate, normalize=True, outputs=("dense",))
-        result = await svc.run(request, texts, params, "text_2", [first_name[t] for t in texts])
+        params = PoolingParams(**cut, normalize=True, outputs=("dense",))
+        result = await svc.run(request, texts, params, second, [first_name[t] for t in texts])
         vec = {t: o.outputs["dense"] for t, o in zip(texts, result.outputs)}
         scores = [float(np.dot(vec[a], vec[b])) for a, b in pairs]
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
