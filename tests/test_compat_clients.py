@@ -116,7 +116,7 @@ def test_hf_inference_client_feature_extraction_and_similarity(url: str, st_mode
                                               "parameters": {"truncate": True}})
     assert r.status_code == 200, r.text
     bad = httpx.post(url, json={"inputs": []})  # the root route answers in TEI's error shape
-    assert bad.status_code == 400 and set(bad.json()) == {"error", "error_type"} and bad.json()["error_type"] == "empty"
+    assert bad.status_code == 400 and set(bad.json()) == {"error", "error_type"} and bad.json()["error_type"] == "Empty"
 
 
 def test_sagemaker_invocations_and_health(url: str, classifier: tuple[str, Engine],
@@ -223,7 +223,7 @@ def test_embed_sparse_and_root_route_on_bge_m3(bge_m3: tuple[str, Engine], url: 
     root = httpx.post(base, json={"inputs": texts})  # an embedder with dense vectors: TEI's router embeds
     assert root.status_code == 200 and _close(root.json(), [o.outputs["dense"] for o in expected], 1e-5)
     no_states = httpx.post(f"{base}/embed_all", json={"inputs": "x"})
-    assert no_states.status_code == 424 and no_states.json()["error_type"] == "backend"
+    assert no_states.status_code == 424 and no_states.json()["error_type"] == "Backend"
     assert "'bge_m3' produces ['dense', 'sparse', 'colbert']" in no_states.json()["error"]
     dense_only = httpx.post(f"{url}/embed_sparse", json={"inputs": "x"})
     assert dense_only.status_code == 424 and "sparse" in dense_only.json()["error"]

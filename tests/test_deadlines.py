@@ -203,10 +203,10 @@ def test_a_frozen_engine_times_requests_out_fails_health_and_recovers(server: Ti
         error = openai.json()["error"]
         assert error["code"] == "timeout" and error["type"] == "service_unavailable"
         assert "request timeout of 8 s" in error["message"] and "retrying it later is safe" in error["message"]
-        assert tei.json()["error_type"] == "overloaded" and "request timeout" in tei.json()["error"]
+        assert tei.json()["error_type"] == "Overloaded" and "request timeout" in tei.json()["error"]
 
         health = httpx.get(f"{url}/health")  # the engine has not stepped for > 8 s: far past --stall-timeout
-        assert health.status_code == 503 and health.json()["error_type"] == "unhealthy"
+        assert health.status_code == 503 and health.json()["error_type"] == "Unhealthy"
         assert "has not finished a step" in health.json()["error"]
         assert metric(url, "wde_engine_seconds_since_step") > STALL_TIMEOUT_S
         assert metric(url, "wde_request_timeouts_total") - before["wde_request_timeouts_total"] == 2 + frozen.slots
@@ -303,7 +303,7 @@ def test_slowloris_connections_get_408_and_are_closed(server: TimeoutServer) -> 
         assert status == 408 and headers["connection"] == "close", raw
         if i % 2:  # /embed: TEI's shape
             assert json.loads(body) == {"error": "the request headers did not arrive within 1 s (wde serve"
-                                                 " --header-timeout)", "error_type": "validation"}
+                                                 " --header-timeout)", "error_type": "Validation"}
         else:
             assert json.loads(body)["error"]["code"] == "client_timeout"
     assert metric(url, "wde_requests_total", route="other", status="408") - before == 200
@@ -337,7 +337,7 @@ def test_a_slow_body_gets_408_in_its_routes_shape_and_the_connection_closes(serv
         assert took >= 0.9
     error = json.loads(parse(openai)[2])["error"]
     assert error["code"] == "client_timeout" and "--body-timeout" in error["message"]
-    assert json.loads(parse(tei)[2])["error_type"] == "validation"
+    assert json.loads(parse(tei)[2])["error_type"] == "Validation"
     for path, count in before.items():
         assert metric(url, "wde_requests_total", route=path, status="408") - count == 1
     assert server.log().count("did not arrive within 1 s of its headers") >= 2

@@ -196,7 +196,7 @@ def test_payload_limit_is_413_before_the_body_is_read(servers: dict[str, str]) -
     r = post(url, "/v1/embeddings", big)
     assert r.status_code == 413 and "limit of 200000 bytes" in r.json()["error"]["message"]
     tei = post(url, "/embed", {"inputs": "z" * 300_000})
-    assert tei.status_code == 413 and tei.json()["error_type"] == "validation"
+    assert tei.status_code == 413 and tei.json()["error_type"] == "Validation"
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: the limit is enforced while the body streams in
         yield b'{"input": "'

@@ -344,7 +344,7 @@ def test_tokenize_answers_are_bounded(url: str) -> None:
     for inputs in ("a " * 70_000, ["a " * 40_000, "b " * 40_000]):
         r = httpx.post(f"{url}/tokenize", json={"inputs": inputs}, headers=AUTH, timeout=120)
         assert r.status_code == 422 and len(r.content) < 1000, r.text[:300]
-        assert r.json()["error_type"] == "validation"
+        assert r.json()["error_type"] == "Validation"
         message = r.json()["error"]
         count = sum(len(x.split()) + 2 for x in ([inputs] if isinstance(inputs, str) else inputs))
         assert message.startswith("inputs:") and f"{TOKENIZE_MAX_TOKENS:,} tokens" in message, message

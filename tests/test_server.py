@@ -253,7 +253,7 @@ def test_truncate_accepts_long_inputs(url: str, minilm_engine: Engine) -> None:
 
 def test_invalid_json_is_400(url: str) -> None:
     r = httpx.post(f"{url}/embed", content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error_type"] == "validation"
+    assert r.status_code == 400 and r.json()["error_type"] == "Validation"
 
 
 async def _burst(url: str, clients: int, texts: list[str]) -> list[httpx.Response]:
@@ -367,4 +367,4 @@ def test_api_key_and_unhealthy(tiny_engine: Engine) -> None:
         app.state.service.engine.stop()  # type: ignore[attr-defined]
         assert httpx.get(f"{url}/health").status_code == 503
         down = httpx.post(f"{url}/embed", json={"inputs": "hi"}, headers={"Authorization": "Bearer secret"})
-        assert down.status_code == 503 and down.json()["error_type"] == "unhealthy"
+        assert down.status_code == 503 and down.json()["error_type"] == "Unhealthy"

@@ -287,7 +287,7 @@ def test_tei_embed_all_equals_transformers_hidden_states(url: str, minilm_path: 
 
 def test_embed_all_needs_token_states(reranker: tuple[str, Engine]) -> None:
     r = httpx.post(f"{reranker[0]}/embed_all", json={"inputs": "x"})
-    assert r.status_code == 424 and r.json()["error_type"] == "backend"
+    assert r.status_code == 424 and r.json()["error_type"] == "Backend"
     assert "'token_embeddings'" in r.json()["error"] and "produces ['score']" in r.json()["error"]
 
 
@@ -297,7 +297,7 @@ def test_tei_similarity(url: str, minilm_engine: Engine) -> None:
     e = minilm_engine.embed(TEXTS)
     assert r.json() == pytest.approx([float(e[0] @ v) for v in e[1:]], abs=1e-5)
     empty = httpx.post(f"{url}/similarity", json={"inputs": {"source_sentence": "a", "sentences": []}})
-    assert empty.status_code == 400 and empty.json() == {"error": empty.json()["error"], "error_type": "empty"}
+    assert empty.status_code == 400 and empty.json() == {"error": empty.json()["error"], "error_type": "Empty"}
     assert "inputs.sentences is empty" in empty.json()["error"]
 
 

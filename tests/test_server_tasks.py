@@ -90,7 +90,7 @@ def test_reranker_errors_and_info(reranker: tuple[str, Engine]) -> None:
     empty = httpx.post(f"{url}/rerank", json={"query": QUERY, "documents": []})
     assert empty.status_code == 400 and empty.json()["error"]["code"] == "empty"
     blank_query = httpx.post(f"{url}/rerank", json={"query": " ", "texts": ["d"]})
-    assert blank_query.status_code == 400 and blank_query.json()["error_type"] == "empty"
+    assert blank_query.status_code == 400 and blank_query.json()["error_type"] == "Empty"
     typed = httpx.post(f"{url}/rerank", json={"query": QUERY, "texts": "not a list"})
     assert typed.status_code == 422 and "texts" in typed.json()["error"]
     info = httpx.get(f"{url}/info").json()

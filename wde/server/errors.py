@@ -50,29 +50,33 @@ _OPENAI_TYPE: dict[str, str] = {
 }
 
 _TEI_TYPE: dict[str, str] = {
-    "empty": "empty",
-    "bad_json": "validation",
-    "bad_text": "validation",
-    "bad_image": "validation",
-    "too_large": "validation",
-    "image_too_large": "validation",
-    "not_allowed": "validation",
-    "validation": "validation",
-    "too_long": "validation",
-    "unsupported": "backend",
-    "backend": "backend",
-    "overloaded": "overloaded",
-    "unhealthy": "unhealthy",
-    "timeout": "overloaded",
-    "client_timeout": "validation",
-    "unauthorized": "unauthorized",
-    "forbidden": "unauthorized",
-    "unsupported_media": "validation",
-    "not_found": "validation",
+    "empty": "Empty",
+    "bad_json": "Validation",
+    "bad_text": "Validation",
+    "bad_image": "Validation",
+    "too_large": "Validation",
+    "image_too_large": "Validation",
+    "not_allowed": "Validation",
+    "validation": "Validation",
+    "too_long": "Validation",
+    "unsupported": "Backend",
+    "backend": "Backend",
+    "overloaded": "Overloaded",
+    "unhealthy": "Unhealthy",
+    "timeout": "Overloaded",
+    "client_timeout": "Validation",
+    "unauthorized": "Validation",
+    "forbidden": "Validation",
+    "unsupported_media": "Validation",
+    "not_found": "Validation",
 }
+"""TEI's `error_type`, spelled as TEI sends it: its router serializes the Rust enum `ErrorType` with serde's
+default, the variant name (`"Validation"`, not the lowercase its OpenAPI examples show). Only TEI's variants are
+used (Unhealthy, Backend, Overloaded, Validation, Tokenizer, Empty), so a client typed on that enum parses every
+error; refusals TEI answers without a JSON body (a wrong API key, a body too large) are `Validation`."""
 
 TEI_PATHS = frozenset({"/embed", "/embed_all", "/embed_sparse", "/rerank", "/predict", "/similarity", "/tokenize",
-                       "/decode", "/info", "/health", "/", "/invocations", "/ping"})
+                       "/decode", "/info", "/health", "/", "/invocations", "/ping", "/vertex"})
 
 
 class ApiError(Exception):

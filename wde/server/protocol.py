@@ -435,3 +435,26 @@ def _inline_defs(schema: dict[str, Any]) -> dict[str, Any]:
         return {k: resolve(v, seen) for k, v in node.items()}
 
     return resolve(schema, ())
+
+
+class VertexRequest(Body):
+    """TEI's /vertex (Vertex AI custom containers): each instance is one TEI request body of the model's task."""
+
+    instances: list[dict[str, Any]]
+
+
+class VllmTokenizeRequest(Body):
+    """vLLM's /tokenize completion form. (Its chat form, `messages`, needs a chat template, which WDE's prefill-only
+    models do not have: refused by name in wde/server/vllm_tokenize.py.)"""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class VllmDetokenizeRequest(Body):
+    """vLLM's /detokenize: one token-id list back to its text, special tokens kept (vLLM decodes them)."""
+
+    model: str | None = None
+    tokens: TokenIds

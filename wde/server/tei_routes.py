@@ -3,7 +3,8 @@
 `POST /` and `POST /invocations` (SageMaker) answer by the served model's kind, as TEI's router: a classifier
 predicts, a reranker reranks, an embedder embeds (a sentence-similarity body, `inputs.source_sentence`, gets
 /similarity, which TEI serves there only with TASK=sentence-similarity); `GET /` and `GET /ping` are health.
-/rerank, which also speaks TEI, lives in rerank_routes.py.
+/rerank, which also speaks TEI, lives in rerank_routes.py. `POST /vertex` (Vertex AI) sends each instance to one
+of these handlers (vertex.py); `/tokenize` also takes vLLM's body, and `/detokenize` is vLLM's (vllm_tokenize.py).
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
+from starlette.responses import Response
 
 import wde
 from wde.errors import RequestError
 from wde.request import PoolingParams
+from wde.server import vertex, vllm_tokenize
 from wde.server.errors import ApiError, error_response
 from wde.server.protocol import (TeiDecodeRequest, TeiEmbedAllRequest, TeiEmbedRequest, TeiPredictRequest,
                                  TeiRerankRequest, TeiSimilarityRequest, TeiSparseRequest, TeiTokenizeRequest,
-                                 body_schema, embed_items, item_names, parse, read_json)
+                                 VertexRequest, VllmDetokenizeRequest, VllmTokenizeRequest, body_schema, embed_items,
+                                 item_names, parse, read_json)
 from wde.server.quantize import quantize_rows, to_base64
 from wde.server.rerank_routes import rerank_body
 from wde.server.responses import JSONResponse
@@ -206,6 +210,26 @@ async def _predict(request: Request, raw: Any) -> JSONResponse:
     return JSONResponse(predictions, headers=result.headers)
 
 
+@router.post("/vertex", openapi_extra=body_schema(VertexRequest))
+async def vertex_route(request: Request) -> Response:
+    """TEI's Vertex AI route: `{"instances": [TEI bodies]}` to `{"predictions": [their answers]}` (vertex.py)."""
+    svc = service(request)
+    return await vertex.predictions(request, await read_json(request), lambda instance: _vertex_task(svc, instance),
+                                    svc.config.max_client_batch_size)
+
+
+def _vertex_task(svc: Service, instance: dict[str, Any]) -> Any:
+    """The handler TEI's vertex route sends an instance to: /rerank for a rerank body, else the model's task."""
+    outputs = svc.produces
+    if vertex.is_rerank(instance):
+        return lambda request, raw: rerank_body(request, raw, tei=True)
+    if "probs" in outputs or "score" in outputs:
+        return _predict
+    if "dense" not in outputs and "sparse" in outputs:
+        return _embed_sparse
+    return _embed
+
+
 TOKENIZE_MAX_TOKENS = 65_536
 """Tokens one /tokenize request may answer, all its texts together (at least one input of the model's max length).
 Each token is an object of ~80-140 bytes of JSON, so a 1 MB text (~250,000 tokens) would answer ~34 MB: the answer
@@ -218,11 +242,16 @@ class _TooManyTokens(Exception):
         self.count = count
 
 
-@router.post("/tokenize", openapi_extra=body_schema(TeiTokenizeRequest))
+@router.post("/tokenize", openapi_extra=body_schema(TeiTokenizeRequest, VllmTokenizeRequest))
 async def tokenize(request: Request) -> JSONResponse:
-    """Each text's tokens with their character offsets; at most `TOKENIZE_MAX_TOKENS` tokens per request."""
+    """Each text's tokens with their character offsets; at most `TOKENIZE_MAX_TOKENS` tokens per request.
+
+    vLLM's body (`prompt`) on the same path gets vLLM's answer (wde/server/vllm_tokenize.py)."""
     svc = service(request)
-    body = parse(TeiTokenizeRequest, await read_json(request))
+    raw = await read_json(request)
+    if vllm_tokenize.is_vllm_body(raw):
+        return await vllm_tokenize.tokenize(request, svc, raw, max(TOKENIZE_MAX_TOKENS, svc.info.max_length))
+    body = parse(TeiTokenizeRequest, raw)
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not texts:
         raise ApiError("empty", "inputs is empty: send at least one text", "inputs")
@@ -251,6 +280,12 @@ async def tokenize(request: Request) -> JSONResponse:
         raise ApiError("validation", f"inputs: /tokenize answers at most {limit:,} tokens per request and these"
                        f" texts have {e.count:,}; send fewer or shorter texts", "inputs") from None
     return JSONResponse(tokens)
+
+
+@router.post("/detokenize", openapi_extra=body_schema(VllmDetokenizeRequest))
+async def detokenize(request: Request) -> JSONResponse:
+    """vLLM's /detokenize (TEI's is /decode)."""
+    return await vllm_tokenize.detokenize(service(request), await read_json(request))
 
 
 def _tokens(component: Any, texts: list[str], add_special_tokens: bool, limit: int) -> list[list[dict]]:
