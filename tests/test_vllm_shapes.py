@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests import tiny_heads
-from tests.test_server import serve
+from tests.test_server import serve, serve_split
 from wde import Engine
 
 TOL = 1e-4
@@ -123,6 +123,18 @@ def test_truncate_prompt_tokens_on_token_ids(embedder: str, minilm_path: Path) -
     r = httpx.post(f"{embedder}/v1/embeddings", json={"input": [ids], "truncate_prompt_tokens": 5})
     assert r.status_code == 200, r.text
     assert np.abs(np.array(r.json()["data"][0]["embedding"]) - _mean_pooled(minilm_path, ids[:5])).max() <= TOL
+
+
+def test_truncate_prompt_tokens_on_a_split_server(minilm_path: Path) -> None:
+    """With API-server processes the frontend tokenizes, and truncates the same way."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(minilm_path)(LONG, truncation=True, max_length=16)["input_ids"]
+    with serve_split(minilm_path, 2) as (url, _):
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": LONG, "truncate_prompt_tokens": 16})
+        score = httpx.post(f"{url}/score", json={"queries": "a", "items": [LONG], "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and score.status_code == 200, (r.text, score.text)
+    assert np.abs(np.array(r.json()["data"][0]["embedding"]) - _mean_pooled(minilm_path, ids)).max() <= TOL
 
 
 def test_score_on_an_embedder_is_cosine(embedder: str, st_model) -> None:
