@@ -97,16 +97,19 @@ def test_auto_ignores_cpuinfo_and_falls_back_when_onednn_refuses(
     assert resolve_cpu_linear("auto", torch.device("cpu"), torch.bfloat16) == (
         "onednn" if real and onednn_error(torch.bfloat16) is None else "torch")
     monkeypatch.setattr(cpu_linear, "_onednn_pays", lambda dtype: True)
-    monkeypatch.setattr(cpu_linear, "onednn_error",
-                        lambda dtype: "bf16 path needs avx512bw (test)" if dtype == torch.bfloat16 else None)
+    monkeypatch.setattr(cpu_linear, "onednn_error", lambda dtype: "bf16 path needs avx512bw (test)")
     monkeypatch.setattr(cpu_linear, "_warned", set())  # said once per process: this test's own process-state
     caplog.set_level(logging.WARNING, logger="wde.models")
     with Engine.from_workflow("bert", tiny_bert, dtype="bfloat16", device="cpu",
                               overrides=["pooler.params.pooling=mean"]) as engine:
         assert engine.components["model"].linear_backend == "torch"
         assert np.isfinite(engine.embed(["still runs"])).all()
+        resolve_cpu_linear("auto", torch.device("cpu"), torch.bfloat16)  # asked again: nothing more is said
     warnings = [r.getMessage() for r in caplog.records if r.name == "wde.models"]
-    assert len(warnings) == 1 and "bf16 path needs avx512bw (test)" in warnings[0]
+    # Once per dtype asked: the model's linear dtype, and float32 too where mixed precision's probe times it
+    # (a fresh kernel cache; the H200's 16 cores gave three warnings before they were said once).
+    assert 1 <= len(warnings) <= 2 and len(set(warnings)) == len(warnings), warnings
+    assert all("bf16 path needs avx512bw (test)" in w for w in warnings)
     with pytest.raises(ValueError, match="cpu_linear=onednn.*bf16 path needs avx512bw"):
         resolve_cpu_linear("onednn", torch.device("cpu"), torch.bfloat16)
 
