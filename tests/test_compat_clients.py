@@ -242,7 +242,7 @@ def test_openai_models_retrieve(url: str) -> None:
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("text-embedding-3-small")
     r = httpx.get(f"{url}/v1/models/text-embedding-3-small")
-    assert r.status_code == 404 and set(r.json()) == {"error"}
+    assert r.status_code == 404 and set(r.json()) == {"error", "message"}
     assert r.json()["error"]["type"] == "invalid_request_error" and "not served here" in r.json()["error"]["message"]
 
 

@@ -118,7 +118,7 @@ def test_tei_routes_answer_errors_in_tei_shape(url: str) -> None:
     assert wrong_route.status_code == 424 and wrong_route.json()["error_type"] == "Backend"
     # the OpenAI family keeps OpenAI's shape
     openai = _post(url, "/v1/embeddings", {"input": LONG, "model": MODEL})
-    assert openai.status_code == 422 and set(openai.json()) == {"error"}
+    assert openai.status_code == 422 and set(openai.json()) == {"error", "message"}
     assert openai.json()["error"]["code"] == "too_long" and openai.json()["error"]["param"] == "input"
 
 
@@ -164,3 +164,11 @@ def test_vllm_detokenize(url: str, tokenizer) -> None:  # noqa: ANN001
     assert negative.status_code == 422 and negative.json()["error"]["param"] == "tokens[0]"
     empty = _post(url, "/detokenize", {"tokens": []})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "tokens"
+
+
+def test_openai_style_errors_carry_a_flat_message_for_clients_written_against_tei(url: str) -> None:
+    """pymilvus' TEIEmbeddingFunction posts `{"input": texts}` to /v1/embeddings and reads `message` at the top of
+    an error body (TEI's OpenAI-compatible shape); OpenAI's clients read the nested `error`. Both are answered."""
+    response = _post(url, "/v1/embeddings", {"input": ["word " * 2000]})
+    body = response.json()
+    assert response.status_code == 422 and body["message"] == body["error"]["message"] and "tokens" in body["message"]

@@ -107,8 +107,10 @@ def error_style(request: Request) -> Style:
 def error_body(error: ApiError, style: Style) -> dict:
     if style == "tei":
         return {"error": error.message, "error_type": _TEI_TYPE[error.kind]}
+    # OpenAI's clients read the nested `error`; TEI's OpenAI-compatible route answers a flat `message`, which
+    # clients written against TEI read (pymilvus' TEIEmbeddingFunction): both are there.
     return {"error": {"message": error.message, "type": _OPENAI_TYPE.get(error.kind, "invalid_request_error"),
-                      "param": error.param, "code": error.kind}}
+                      "param": error.param, "code": error.kind}, "message": error.message}
 
 
 def error_response(error: ApiError, style: Style) -> JSONResponse:
