@@ -119,6 +119,10 @@ class PoolingRequest(PromptTruncation):
     model: str | None = None
     task: PoolingTask | None = None
     encoding_format: Literal["float", "base64"] = "float"
+    embed_dtype: Literal["float32"] = "float32"
+    """vLLM's dtype of base64 vectors: float32 is what is served; float16/bfloat16/fp8 are refused by name."""
+    endianness: Literal["native", "little"] = "native"
+    """vLLM's byte order of base64 vectors: the server's own (little-endian on x86 and ARM); big is refused."""
     use_activation: bool | None = None
     """vLLM's: false gives the embedding unnormalized, or a classifier's / cross-encoder's logits."""
     outputs: list[str] | None = None
