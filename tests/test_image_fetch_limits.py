@@ -27,8 +27,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.test_image_http import GOOD, PNG, close, error, post, vectors
-from tests.test_server import free_port, serve, wait_healthy
+from tests.test_image_http import GOOD, PNG, ImageSite, close, error, post, vectors
+from tests.test_server import free_port, serve, stop_server, wait_healthy
 from wde import Engine
 
 MB = 1_000_000
@@ -67,34 +67,19 @@ class LimitSite:
                     site.requests += 1
                     site.kinds[kind] = site.kinds.get(kind, 0) + 1
                 if kind == "mb":
-                    self._send(BIG)
+                    ImageSite._send(self, BIG)
                 elif kind == "unsized":
-                    self._send(BIG, length=False)
+                    ImageSite._send(self, BIG, length=False)
                 elif kind == "cat.png":
-                    self._send(PNG)
+                    ImageSite._send(self, PNG)
                 elif kind == "hold":
                     site._hold(self)
                 elif kind == "pause":
                     site._hold(self, PAUSE)
                 elif kind == "to":
-                    self.send_response(302)
-                    self.send_header("Location", LOCATIONS[self.path.split("/")[2]])
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                    ImageSite._redirect(self, LOCATIONS[self.path.split("/")[2]])
                 else:
                     self.send_error(404)
-
-            def _send(self, body: bytes, length: bool = True) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", "image/png")
-                if length:
-                    self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                try:
-                    for at in range(0, len(body), 65536):  # HTTP/1.0 without a length: ends with the connection
-                        self.wfile.write(body[at:at + 65536])
-                except OSError:  # the fetcher stopped reading: a refusal, as the test wants
-                    pass
 
         class Server(ThreadingHTTPServer):
             request_queue_size = 256  # many fetches connect at once
@@ -412,12 +397,7 @@ def wde_serve(model: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen]]
         wait_healthy(url, lambda: proc.poll() is None, timeout=300)
         yield url, proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")

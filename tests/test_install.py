@@ -10,7 +10,6 @@ checkout gets no `build/` folder. The README's quick start in a venv with no ext
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 from tests.installs import HANG, clean_env, new_venv, pip_install_wde, sh, site_packages
-from tests.test_server import free_port, wait_healthy
+from tests.test_server import free_port, stop_server, wait_healthy
 
 CHECK = """
 import json, sys
@@ -103,10 +102,4 @@ def test_wde_serve_in_a_wheel_install(venv: Path, run_dir: Path) -> None:
             (item,) = response.json()["data"]
             assert len(item["embedding"]) == 384
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc)

@@ -77,14 +77,20 @@ def serve_split(model: Path, api_servers: int, *args: str, log: Path | None = No
             raise AssertionError(f"the split server did not start:\n{log_file.read().decode()[-3000:]}") from None
         yield url, proc
     finally:
-        if proc.poll() is None and stop:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc, terminate=stop)
         log_file.close()
+
+
+def stop_server(proc: subprocess.Popen, terminate: bool = True) -> None:
+    """Stop a `wde serve` subprocess as a supervisor would: SIGTERM (unless `terminate` is false: the test
+    already made it stop), 60 s to finish, then SIGKILL."""
+    if proc.poll() is None and terminate:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def wait_healthy(url: str, alive: Callable[[], bool], timeout: float = 120) -> None:
