@@ -19,6 +19,8 @@ hold its patch rows h, and its sequence length h x w gives w.
 
 from __future__ import annotations
 
+import functools
+
 import math
 
 import torch
@@ -57,20 +59,31 @@ class NaFlexEmbeddings(nn.Module):
 
     def positions(self, grids: list[tuple[int, int]]) -> torch.Tensor:
         """Each image's position embeddings at its grid, concatenated: [total patches, hidden]."""
-        resized = {grid: self.resized(*grid) for grid in dict.fromkeys(grids)}
+        table = self.position_embedding.weight.to(torch.float32)  # cast once per batch, not once per grid
+        resized = {grid: self.resized(*grid, table) for grid in dict.fromkeys(grids)}
         return torch.cat([resized[grid] for grid in grids])
 
-    def resized(self, height: int, width: int) -> torch.Tensor:
+    def resized(self, height: int, width: int, table: torch.Tensor | None = None) -> torch.Tensor:
         """The square table resized to height x width (bilinear, antialiased, in float32), [height * width, hidden]
-        row by row: one weight matrix per axis (`antialiased_bilinear_weights`), so [h, side] @ table @ [side, w]."""
+        row by row: one weight matrix per axis (`antialiased_bilinear_weights`), so [h, side] @ table @ [side, w].
+        `table` is the position table already in float32 (`positions` casts it once for all of a batch's grids)."""
         weight = self.position_embedding.weight
         dim = weight.shape[-1]
-        table = weight.reshape(self.side, self.side, dim).to(torch.float32)
-        rows = antialiased_bilinear_weights(self.side, height).to(weight.device)
-        cols = antialiased_bilinear_weights(self.side, width).to(weight.device)
+        table = (weight.to(torch.float32) if table is None else table).reshape(self.side, self.side, dim)
+        rows = axis_weights(self.side, height, weight.device)
+        cols = axis_weights(self.side, width, weight.device)
         by_rows = (rows @ table.reshape(self.side, self.side * dim)).reshape(height, self.side, dim)
         out = torch.matmul(cols, by_rows)  # [w, side] @ [h, side, dim] -> [h, w, dim]
         return out.reshape(height * width, dim).to(weight.dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def axis_weights(size_in: int, size_out: int, device: torch.device) -> torch.Tensor:
+    """`antialiased_bilinear_weights` on `device`, built and copied there once per (sizes, device): a grid's side
+    is at most max_num_patches, so few exist, and a batch's grids no longer rebuild them on the host and copy them
+    to the GPU each time. Built outside inference mode, so the cached tensor serves callers in either mode."""
+    with torch.inference_mode(False):
+        return antialiased_bilinear_weights(size_in, size_out).to(device)
 
 
 def antialiased_bilinear_weights(size_in: int, size_out: int) -> torch.Tensor:
