@@ -76,14 +76,6 @@ class ImageFetcher:
         self.limits = limits
         self._shared: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
-    @property
-    def max_bytes(self) -> int:
-        return self.limits.image_bytes
-
-    @property
-    def timeout(self) -> float:
-        return self.limits.timeout
-
     def check_count(self, count: int, field: str) -> None:
         """The 422 for a request naming more image URLs than `max_urls` (before any is fetched)."""
         if count > self.limits.max_urls:
@@ -100,7 +92,7 @@ class ImageFetcher:
 
         if not isinstance(url, str):
             raise ApiError("bad_image", f"{field}: the image URL is a {type(url).__name__}, not a string", field)
-        odd = next((c for c in url if c == "\\" or c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F), None)
+        odd = _odd_char(url)
         if odd is not None:
             raise bad(f"it holds {odd!r} at position {url.index(odd)} (a URL has no backslashes, spaces or control"
                       " characters; percent-encode them)")
@@ -140,8 +132,7 @@ class ImageFetcher:
     async def fetch_all(self, urls: Sequence[str], fields: Sequence[str], where: str) -> list[bytes]:
         """The bodies of `urls`, fetched at once (up to `CONCURRENT_FETCHES`), within the request's limits; the
         first refusal cancels the rest. `where` names the request's field of images in the refusals about all
-        of them (their number, the deadline)."""
-        self.vet(urls, fields, where)
+        of them (the deadline). The caller has `vet`ted them first, before taking a request slot."""
         slots = self._slots()
         at_once = min(CONCURRENT_FETCHES, self.limits.connections)
         gate = asyncio.Semaphore(at_once)
@@ -169,11 +160,11 @@ class ImageFetcher:
     async def fetch(self, transport: httpx.AsyncBaseTransport, url: str, field: str, budget: "_Budget") -> bytes:
         """One image, within the timeout, the byte limits and the host list (redirects included)."""
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(self.limits.timeout):
                 return await self._follow(transport, url, field, budget)
         except (TimeoutError, httpx.TimeoutException):
-            raise ApiError("bad_image", f"{field}: fetching {_short(url)} took longer than {self.timeout:g} s (wde"
-                           " serve --image-fetch-timeout)", field) from None
+            raise ApiError("bad_image", f"{field}: fetching {_short(url)} took longer than {self.limits.timeout:g}"
+                           " s (wde serve --image-fetch-timeout)", field) from None
         except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as e:  # what a host or network can do
             raise ApiError("bad_image", f"{field}: cannot fetch {_short(url)}: {type(e).__name__}: {e}",
                            field) from None
@@ -214,7 +205,7 @@ class ImageFetcher:
     def check_location(location: str, source: str, field: str) -> None:
         """The 400 for a `Location` that readers disagree on before it is resolved (`\\evil.com` is a path to
         httpx and another host to a browser): backslashes, spaces and control characters are refused."""
-        odd = next((c for c in location if c == "\\" or c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F), None)
+        odd = _odd_char(location)
         if odd is not None or not location:
             why = "it is empty" if odd is None else f"it holds {odd!r} at position {location.index(odd)}"
             raise ApiError("bad_image", f"{field}: the redirect from {_short(source)} has Location"
@@ -230,21 +221,21 @@ class ImageFetcher:
                            " was not asked for; image files are fetched as they are", field)
         declared = response.headers.get("content-length", "").strip()
         if declared.isdigit():
-            if int(declared) > self.max_bytes:
+            if int(declared) > self.limits.image_bytes:
                 raise self._too_large(url, field, f"{int(declared)} bytes (its Content-Length)")
             budget.check(int(declared), url, field)
         chunks, size = [], 0
         async for chunk in response.aiter_raw():
             size += len(chunk)
-            if size > self.max_bytes:
-                raise self._too_large(url, field, f"over {self.max_bytes} bytes")
+            if size > self.limits.image_bytes:
+                raise self._too_large(url, field, f"over {self.limits.image_bytes} bytes")
             budget.take(len(chunk), url, field)
             chunks.append(chunk)
         return b"".join(chunks)
 
     def _too_large(self, url: str, field: str, size: str) -> ApiError:
         return ApiError("image_too_large", f"{field}: {_short(url)} is {size}; the image size limit is"
-                        f" {self.max_bytes} bytes (input_processor.params.max_image_bytes)", field)
+                        f" {self.limits.image_bytes} bytes (input_processor.params.max_image_bytes)", field)
 
     def _slots(self) -> asyncio.Semaphore:
         """The connection slots all requests share, `connections` of them: a fetch holds one from before it
@@ -299,6 +290,12 @@ def _first(group: BaseExceptionGroup) -> BaseException:
 
     walk(group)
     return next((e for e in leaves if isinstance(e, ApiError)), leaves[0])
+
+
+def _odd_char(url: str) -> str | None:
+    """The first character no URL or `Location` may hold as is (readers disagree on them: `\\evil.com` is a path
+    to httpx and another host to a browser): a backslash, white space or a control character; None if none."""
+    return next((c for c in url if c == "\\" or c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F), None)
 
 
 def _short(url: str, at_most: int = 200) -> str:
