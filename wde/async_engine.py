@@ -262,15 +262,21 @@ class AsyncEngine:
                 log.warning("dropping %d results: their event loop is closed", len(items))
 
 
+def check_capacity(handle: Any) -> None:
+    """`EngineOverloaded` when `handle` (an `AsyncEngine` or a `CoreClient`) already has `max_concurrent_requests`
+    calls in flight: the one limit an `encode` call and a request fetching its images both take a slot of."""
+    if handle.active_calls >= handle.max_concurrent_requests:
+        raise EngineOverloaded(f"the server is overloaded: {handle.active_calls} requests in flight,"
+                               f" the limit is {handle.max_concurrent_requests}; retry later")
+
+
 def admit(handle: Any, make_request: Callable[..., Request], inputs: Sequence[Any],
           params: PoolingParams | Sequence[PoolingParams], fields: InputNames, prefix: str) -> list[Request]:
     """The start of an `encode` call (`AsyncEngine`'s or an API server's `CoreClient`'s): refuse it when the engine
     is down or the call limit is reached, then validate each input into a request `{prefix}-{i}`, named for errors."""
     if not handle.healthy:
         raise EngineUnavailable("the engine is not running" + (f": {handle.error}" if handle.error else ""))
-    if handle.active_calls >= handle.max_concurrent_requests:
-        raise EngineOverloaded(f"the server is overloaded: {handle.active_calls} requests in flight,"
-                               f" the limit is {handle.max_concurrent_requests}; retry later")
+    check_capacity(handle)
     per_input = [params] * len(inputs) if isinstance(params, PoolingParams) else list(params)
     names = input_names(fields, len(inputs))
     requests = [make_request(x, p, f"{prefix}-{i}", names[i]) for i, (x, p) in enumerate(zip(inputs, per_input))]

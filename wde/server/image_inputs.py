@@ -15,6 +15,7 @@ import re
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
+from wde.async_engine import EngineOverloaded, check_capacity
 from wde.server.errors import ApiError
 from wde.server.service import unless_disconnected
 
@@ -109,9 +110,10 @@ def request_slot(engine: Any) -> Iterator[None]:
     released as the fetched inputs go to `encode`, which takes its own when its task starts, one loop iteration
     later: in that gap another request may take the last slot, and this one is answered 429 as any request is
     when the server is full."""
-    if engine.active_calls >= engine.max_concurrent_requests:
-        raise ApiError("overloaded", f"the server is overloaded: {engine.active_calls} requests in flight, the limit"
-                       f" is {engine.max_concurrent_requests}; retry later")
+    try:
+        check_capacity(engine)
+    except EngineOverloaded as e:
+        raise ApiError("overloaded", str(e)) from None
     engine.active_calls += 1
     try:
         yield
