@@ -19,7 +19,6 @@ limit and each call within the per-request pixel budget (wde/components/image_li
 from __future__ import annotations
 
 import asyncio
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -40,9 +39,8 @@ class ImageDecoder:
     def __init__(self, request_processor: Any, token_budget: int) -> None:
         self._request_processor = request_processor
         self._budget = token_budget
-        workers = getattr(getattr(request_processor, "params", None), "workers", 1)
-        self.calls: int = min(4, os.cpu_count() or 1) if workers == "auto" else int(workers)
-        """Calls whose images are decoded at once (the request processor's `workers`, by its own "auto" rule)."""
+        self.calls: int = getattr(request_processor, "workers", 1)
+        """Calls whose images are decoded at once: the request processor's `workers`, as it resolved "auto"."""
         self._pool: ThreadPoolExecutor | None = None
         """Started with the first call that holds an image: a text workflow never has it."""
 

@@ -53,7 +53,8 @@ class ImageTextRequestProcessor(LazyTokenizeRequestProcessor):
             raise ModelLoadError("request processor 'image_text' needs an input processor that admits images"
                                  " (image_text_input)")
         self._preprocess = preprocess
-        self._workers = min(4, os.cpu_count() or 1) if params.workers == "auto" else params.workers
+        self.workers: int = min(4, os.cpu_count() or 1) if params.workers == "auto" else params.workers
+        """Threads decoding one batch's images ("auto": up to 4); the serving ImageDecoder runs as many calls."""
         self._pad_id: int | None = None
         if params.pad_text == "max_length":
             pad = ctx.tokenizer.hf_tokenizer.pad_token_id
@@ -110,10 +111,10 @@ class ImageTextRequestProcessor(LazyTokenizeRequestProcessor):
                 return internal_error(r.request_id, e, "image preprocessing")
 
         prepared = all(isinstance(r.prompt.data, np.ndarray) for r in requests)  # type: ignore[union-attr]
-        if len(requests) < 2 or self._workers < 2 or prepared:  # pixels sent by an API server: checks only
+        if len(requests) < 2 or self.workers < 2 or prepared:  # pixels sent by an API server: checks only
             return [one(r) for r in requests]
         # a pool per call: threads start in microseconds against milliseconds of decoding, and none outlive it
-        with ThreadPoolExecutor(min(self._workers, len(requests)), thread_name_prefix="wde-image") as pool:
+        with ThreadPoolExecutor(min(self.workers, len(requests)), thread_name_prefix="wde-image") as pool:
             return list(pool.map(one, requests))
 
     def _padded(self, results: list[Result]) -> list[Result]:
