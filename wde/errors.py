@@ -74,7 +74,13 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
     (it used to be echoed whole: 10 MB on a terminal, in a log line, in a JSON error)."""
     if isinstance(value, str):
         return repr(value) if len(value) <= limit else f"{value[:limit]!r}… ({len(value):,} characters)"
-    text = repr(value)
+    return brief(repr(value), limit)
+
+
+def brief(text: object, limit: int = SHOWN_CHARS) -> str:
+    """`str(text)` as an error message shows a key or a command-line value: whole when short, else its first
+    `limit` characters, an ellipsis and its length (`shown` is the same for a quoted value)."""
+    text = str(text)
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
 
 

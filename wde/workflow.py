@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from wde.components.base import COMPONENT_KINDS, Component, Params
-from wde.errors import SHOWN_CHARS, Issue, Location, RegistryError, WorkflowError, did_you_mean, shown
+from wde.errors import SHOWN_CHARS, Issue, Location, RegistryError, WorkflowError, brief, did_you_mean, shown
 from wde.registry import LazyComponent, Registry, capabilities_of, get_registry, load_component
 from wde.yaml_source import KeyPath, YamlBombError, load_yaml_with_locations, locate, safe_load
 
@@ -124,13 +124,6 @@ def _known_keys(path: KeyPath) -> list[str]:
     if len(path) == 2 and path[0] in COMPONENT_KINDS:
         return list(ComponentRef.model_fields)
     return []
-
-
-def brief(text: object) -> str:
-    """`text` as an error message shows a key or a command-line value: whole when short, else its first
-    `SHOWN_CHARS` characters and its length (`shown` is the same for a quoted value)."""
-    text = str(text)
-    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}… ({len(text):,} characters)"
 
 
 def dotted_path(path: KeyPath) -> str:
@@ -349,7 +342,7 @@ def find_workflow_file(workflow: str | Path, registry: Registry | None = None) -
     """A path on disk, or the file of a registered workflow name."""
     registry = registry or get_registry()
     path = Path(workflow)
-    if path.is_file() or (path.exists() and not path.is_dir()):  # a FIFO or device: refused by name when read
+    if path.exists() and not path.is_dir():  # a FIFO or device: refused by name when read
         return path
     folder = " is a folder, not a workflow file (a .yaml file or a registered workflow name)" if path.is_dir() else ""
     if isinstance(workflow, str) and not workflow.endswith((".yaml", ".yml")) and "/" not in workflow:
