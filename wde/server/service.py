@@ -139,13 +139,13 @@ class Service:
         main = tuple(o for o in outputs if o != "token_embeddings")
         return main or outputs
 
-    def check_batch_size(self, count: int, field: str) -> None:
-        """The 422 for a request of more inputs than `max_client_batch_size` (`field` holds them); routes whose
-        images are fetched check it before the first fetch."""
+    def check_batch_size(self, count: int, field: str, unit: str = "inputs") -> None:
+        """The 422 for a request of more inputs than `max_client_batch_size` (`field` holds them, counted as
+        `unit`: /vertex's instances); routes whose images are fetched check it before the first fetch."""
         limit = self.config.max_client_batch_size
         if count > limit:
             raise ApiError("validation", f"batch size {count} > maximum allowed batch size {limit}"
-                           f" ({field} has {count} inputs; the limit is {limit})", field)
+                           f" ({field} has {count} {unit}; the limit is {limit})", field)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != UNSET_MODEL and name not in self.model_names:
@@ -234,12 +234,30 @@ class Service:
         self.metrics.on_outputs(outputs)
         return Result(outputs, _timing_headers(outputs, start, inputs))
 
-    async def decode(self, ids: list[list[int]], skip_special_tokens: bool, names: list[str]) -> list[str]:
-        """Token ids back to text (TEI /decode) on the service's tokenizer thread; an id outside the
-        vocabulary is an `ApiError` naming it (`names[i][j]`)."""
+    def hf_tokenizer(self) -> Any:
+        """The tokenizer component, for the routes that tokenize or decode on their own (/tokenize, /decode,
+        /detokenize); the 'unsupported' refusal when it exposes no Hugging Face tokenizer."""
         component = self.engine.tokenizer
         if not hasattr(component, "hf_tokenizer"):
             raise ApiError("unsupported", "this workflow's tokenizer does not expose a Hugging Face tokenizer")
+        return component
+
+    def check_texts(self, texts: Sequence[str], names: Sequence[str]) -> None:
+        """The input processor's own text check (`check_text`, where it has one) on texts a route tokenizes
+        itself, each refusal an `ApiError` naming the input."""
+        check = getattr(self.engine.input_processor, "check_text", None)
+        if check is None:
+            return
+        for text, name in zip(texts, names):
+            try:
+                check(text, name)
+            except RequestError as e:
+                raise api_error(e) from None
+
+    async def decode(self, ids: list[list[int]], skip_special_tokens: bool, names: list[str]) -> list[str]:
+        """Token ids back to text (TEI /decode) on the service's tokenizer thread; an id outside the
+        vocabulary is an `ApiError` naming it (`names[i][j]`)."""
+        component = self.hf_tokenizer()
         vocab = component.vocab_size
         for i, row in enumerate(ids):
             for j, tid in enumerate(row):

@@ -17,7 +17,6 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 import wde
-from wde.errors import RequestError
 from wde.request import PoolingParams
 from wde.server import vertex, vllm_tokenize
 from wde.server.errors import ApiError, error_response
@@ -28,7 +27,7 @@ from wde.server.protocol import (TeiDecodeRequest, TeiEmbedAllRequest, TeiEmbedR
 from wde.server.quantize import quantize_rows, to_base64
 from wde.server.rerank_routes import rerank_body
 from wde.server.responses import JSONResponse
-from wde.server.service import Service, api_error
+from wde.server.service import Service
 
 router = APIRouter()
 
@@ -215,7 +214,7 @@ async def vertex_route(request: Request) -> Response:
     """TEI's Vertex AI route: `{"instances": [TEI bodies]}` to `{"predictions": [their answers]}` (vertex.py)."""
     svc = service(request)
     return await vertex.predictions(request, await read_json(request), lambda instance: _vertex_task(svc, instance),
-                                    svc.config.max_client_batch_size)
+                                    svc.check_batch_size)
 
 
 def _vertex_task(svc: Service, instance: dict[str, Any]) -> Any:
@@ -258,16 +257,8 @@ async def tokenize(request: Request) -> JSONResponse:
     if len(texts) > svc.config.max_client_batch_size:
         raise ApiError("validation", f"batch size {len(texts)} > maximum allowed batch size"
                        f" {svc.config.max_client_batch_size}", "inputs")
-    component = svc.engine.tokenizer
-    if not hasattr(component, "hf_tokenizer"):
-        raise ApiError("unsupported", "this workflow's tokenizer does not expose a Hugging Face tokenizer")
-    check = getattr(svc.engine.input_processor, "check_text", None)
-    if check is not None:
-        for text, name in zip(texts, item_names("inputs", body.inputs)):
-            try:
-                check(text, name)
-            except RequestError as e:
-                raise api_error(e) from None
+    component = svc.hf_tokenizer()
+    svc.check_texts(texts, item_names("inputs", body.inputs))
     prompts = getattr(svc.engine.input_processor, "prompts", {})
     if body.prompt_name is not None and body.prompt_name not in prompts:
         raise ApiError("validation", f"prompt_name {body.prompt_name!r} is not defined; defined prompts:"

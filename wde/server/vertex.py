@@ -23,15 +23,13 @@ Handler = Callable[[Request, Any], Awaitable[Response]]
 
 
 async def predictions(request: Request, raw: Any, task: Callable[[dict[str, Any]], Handler],
-                      max_instances: int) -> Response:
-    """Answer a /vertex body: `task(instance)` picks the route handler each instance goes to."""
+                      check_batch_size: Callable[..., None]) -> Response:
+    """Answer a /vertex body: `task(instance)` picks the route handler each instance goes to; `check_batch_size`
+    is the service's (`Service.check_batch_size`), counting instances."""
     body = parse(VertexRequest, raw)
     if not body.instances:
         raise ApiError("empty", "instances is empty: send at least one instance (a TEI request body)", "instances")
-    if len(body.instances) > max_instances:
-        raise ApiError("validation", f"batch size {len(body.instances)} > maximum allowed batch size {max_instances}"
-                       f" (instances has {len(body.instances)} instances; the limit is {max_instances})",
-                       "instances")
+    check_batch_size(len(body.instances), "instances", unit="instances")
 
     async def one(i: int, instance: dict[str, Any]) -> bytes:
         try:

@@ -11,11 +11,10 @@ from typing import Any
 
 from fastapi import Request
 
-from wde.errors import RequestError
 from wde.server.errors import ApiError
 from wde.server.protocol import VllmDetokenizeRequest, VllmTokenizeRequest, parse
 from wde.server.responses import JSONResponse
-from wde.server.service import Service, api_error
+from wde.server.service import Service
 
 VLLM_KEYS = ("prompt", "messages")
 """Body keys that mark vLLM's /tokenize; TEI's is `inputs`."""
@@ -42,13 +41,8 @@ async def tokenize(request: Request, svc: Service, raw: dict[str, Any], limit: i
                        " `prompt`", "messages")
     body = parse(VllmTokenizeRequest, raw)
     svc.check_model(body.model)
-    component = _hf_tokenizer(svc)
-    check = getattr(svc.engine.input_processor, "check_text", None)
-    if check is not None:
-        try:
-            check(body.prompt, "prompt")
-        except RequestError as e:
-            raise api_error(e) from None
+    component = svc.hf_tokenizer()
+    svc.check_texts([body.prompt], ["prompt"])
     ids, strs = await svc.off_loop(_encode, component, body.prompt, body.add_special_tokens,
                                    bool(body.return_token_strs))
     if len(ids) > limit:
@@ -69,15 +63,9 @@ async def detokenize(svc: Service, raw: Any) -> JSONResponse:
     """vLLM's `{"tokens": [...]}` to `{"prompt": text}`, decoded as vLLM does (special tokens kept)."""
     body = parse(VllmDetokenizeRequest, raw)
     svc.check_model(body.model)
-    _hf_tokenizer(svc)
+    svc.hf_tokenizer()  # 'unsupported' before 'empty', as /tokenize refuses
     if not body.tokens:
         raise ApiError("empty", "tokens is empty: send at least one token id", "tokens")
     (text,) = await svc.decode([body.tokens], skip_special_tokens=False, names=["tokens"])
     return JSONResponse({"prompt": text})
 
-
-def _hf_tokenizer(svc: Service) -> Any:
-    component = svc.engine.tokenizer
-    if not hasattr(component, "hf_tokenizer"):
-        raise ApiError("unsupported", "this workflow's tokenizer does not expose a Hugging Face tokenizer")
-    return component
