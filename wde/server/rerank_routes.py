@@ -104,15 +104,21 @@ async def rerank_v2(request: Request) -> JSONResponse:
     return await _documents_rerank(svc, request, body, truncate=cap is not None)
 
 
-async def _documents_rerank(svc: Service, request: Request, body: RerankRequest, truncate: bool,
-                            flat_documents: bool = False) -> JSONResponse:
+async def _rank_documents(svc: Service, request: Request, body: RerankRequest,
+                          truncate: bool) -> tuple[list[str], list[tuple[int, float]], Any]:
+    """A `documents` body scored: its documents as texts, the best `top_n` (index, score) first, and the result
+    (tokens, headers); what both its answer shapes are made of."""
     svc.check_model(body.model)
     docs = [d.text if isinstance(d, Document) else d for d in body.documents]
     params = PoolingParams(truncate=body.truncate or truncate, activation=False if body.raw_scores else None,
                            outputs=("score",))
     ranked, result = await _scores(svc, request, body.query, docs, params, "documents")
-    if body.top_n:
-        ranked = ranked[:body.top_n]
+    return docs, ranked[:body.top_n] if body.top_n else ranked, result
+
+
+async def _documents_rerank(svc: Service, request: Request, body: RerankRequest, truncate: bool,
+                            flat_documents: bool = False) -> JSONResponse:
+    docs, ranked, result = await _rank_documents(svc, request, body, truncate)
     results = []
     for i, score in ranked:
         item: dict = {"index": i, "relevance_score": score}
@@ -138,12 +144,7 @@ async def _tei_rerank(svc: Service, request: Request, body: TeiRerankRequest) ->
 async def _documents_as_tei(svc: Service, request: Request, body: RerankRequest) -> JSONResponse:
     """A `documents` body answered as TEI answers `texts` (Elastic's `hugging_face` service): `return_documents` is
     TEI's `return_text`, `top_n` keeps the best n."""
-    svc.check_model(body.model)
-    docs = [d.text if isinstance(d, Document) else d for d in body.documents]
-    params = PoolingParams(truncate=body.truncate, activation=False if body.raw_scores else None, outputs=("score",))
-    ranked, result = await _scores(svc, request, body.query, docs, params, "documents")
-    if body.top_n:
-        ranked = ranked[:body.top_n]
+    docs, ranked, result = await _rank_documents(svc, request, body, truncate=False)
     return JSONResponse(_tei_ranks(ranked, docs, body.return_documents), headers=result.headers)
 
 
