@@ -24,10 +24,13 @@ _SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), 
 """vLLM's field pairs of a /score body, each naming the two sides the same way."""
 
 
+_FIELDS = tuple(dict.fromkeys(f for pair in _SIDES for f in pair))
+"""Every field of those pairs once, in their order."""
+
+
 def _sides(body: ScoreRequest) -> tuple[str, str]:
     """The one field pair `body` uses; a body giving fields of two pairs, or half a pair, is refused by name."""
-    given = [f for f in ("queries", "documents", "items", "data_1", "data_2", "text_1", "text_2")
-             if getattr(body, f) is not None]
+    given = [f for f in _FIELDS if getattr(body, f) is not None]
     complete = [pair for pair in _SIDES if set(pair) == set(given)]
     if complete:
         return complete[0]
@@ -37,10 +40,11 @@ def _sides(body: ScoreRequest) -> tuple[str, str]:
     raise ApiError("validation", f"{', '.join(given)} given; send exactly one field pair: {pairs}", given[-1])
 
 
-def _pairs(body: ScoreRequest) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+def _pairs(body: ScoreRequest, sides: tuple[str, str]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """vLLM's rules: a single first side (or a one-element list) is scored against every second; else zip (1:1,
-    N:N). Also returns each pair's field names (`queries` or `queries[i]`, `documents[j]`...) for errors."""
-    field_1, field_2 = _sides(body)
+    N:N). Also returns each pair's field names (`queries` or `queries[i]`, `documents[j]`...) for errors. `sides`
+    is the body's field pair (`_sides`)."""
+    field_1, field_2 = sides
     side_1, side_2 = getattr(body, field_1), getattr(body, field_2)
     left = [side_1] if isinstance(side_1, str) else side_1
     right = [side_2] if isinstance(side_2, str) else side_2
@@ -68,12 +72,13 @@ async def score(request: Request) -> JSONResponse:
     svc.check_model(body.model)
     if "dense" not in svc.supported:
         svc.require("score", "/score")
-    pairs, names = _pairs(body)
+    sides = _sides(body)
+    pairs, names = _pairs(body, sides)
     if body.raw_scores and body.use_activation:
         raise ApiError("validation", "raw_scores: true and use_activation: true contradict each other; send one",
                        "use_activation")
     cut = truncation(body, svc.info.max_length, body.truncate)
-    second = _sides(body)[1]
+    second = sides[1]
     if "score" in svc.supported:
         raw = body.raw_scores or body.use_activation is False
         params = PoolingParams(**cut, activation=False if raw else None, outputs=("score",))
