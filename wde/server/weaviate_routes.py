@@ -78,7 +78,6 @@ def _service(request: Request) -> Service:
 @router.get("/.well-known/live", status_code=204)
 async def live(request: Request) -> Response:
     """The process answers: 204, as the container. A stalled engine is not a reason to restart the server."""
-    _service(request)
     return Response(status_code=204)
 
 
@@ -95,8 +94,8 @@ async def ready(request: Request) -> Response:
 async def meta(request: Request) -> JSONResponse:
     """`{"model": <the model folder's config.json>}`, as the container answers (it sends the Hugging Face config
     of its model); Weaviate shows it under its own /v1/meta."""
-    folder = model_folder(_service(request))
-    return JSONResponse({"model": await asyncio.to_thread(_hf_config, folder)})
+    svc = _service(request)  # the folder is resolved off the loop too (a hub id is a cache lookup on disk)
+    return JSONResponse({"model": await asyncio.to_thread(lambda: _hf_config(model_folder(svc)))})
 
 
 @router.post("/vectors", openapi_extra=body_schema(VectorInput, VectorsInput))
