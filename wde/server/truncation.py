@@ -16,13 +16,13 @@ from wde.server.protocol import PromptTruncation
 FIELD = "truncate_prompt_tokens"
 
 
-def truncation(body: PromptTruncation, limit: int, truncate: bool = False, direction: str | None = None,
-               direction_field: str = "truncation_direction") -> dict[str, Any]:
+def truncation(body: PromptTruncation, limit: int, truncate: bool = False,
+               direction: str | None = None) -> dict[str, Any]:
     """PoolingParams keyword arguments for `body`'s truncation; `truncate` and `direction` are the route's own
     fields (WDE's `truncate`, TEI-style `truncation_direction`), which vLLM's fields may not contradict."""
     side = body.truncation_side
     if side is not None and direction is not None and side != direction:
-        raise ApiError("validation", f"truncation_side={side!r} and {direction_field}={direction!r} contradict"
+        raise ApiError("validation", f"truncation_side={side!r} and truncation_direction={direction!r} contradict"
                        " each other; send one of them", "truncation_side")
     kwargs: dict[str, Any] = {"truncate": truncate, "truncation_direction": side or direction or "right"}
     n = body.truncate_prompt_tokens
