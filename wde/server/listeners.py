@@ -26,7 +26,7 @@ import logging
 import socket
 import sys
 
-from wde.server.startup import LISTEN_BACKLOG, StartupError, listen
+from wde.server.startup import StartupError, listen, tcp_socket
 
 log = logging.getLogger("wde.server")
 
@@ -90,17 +90,7 @@ class SplitListeners:
         sockets: list[socket.socket] = []
         try:
             for family, sockaddr in self.addresses:
-                sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-                sockets.append(sock)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-                if family == socket.AF_INET6 and self._v6only:
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see `startup.listen`
-                sock.bind(sockaddr)
-                if listening:
-                    sock.listen(LISTEN_BACKLOG)
-                sock.set_inheritable(True)
+                sockets.append(tcp_socket(family, sockaddr, self._v6only, reuseport=True, listening=listening))
         except BaseException:
             for s in sockets:
                 s.close()

@@ -66,24 +66,38 @@ def listen(host: str, port: int) -> list[socket.socket]:
     sockets: list[socket.socket] = []
     try:
         for family, sockaddr in addresses:
-            sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-            sockets.append(sock)
-            if os.name == "posix":  # restart at once, with the old server's connections still in TIME_WAIT
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6 and len(addresses) > 1:  # `::` and `0.0.0.0` side by side
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                sock.bind(sockaddr)
-                sock.listen(LISTEN_BACKLOG)
+                sockets.append(tcp_socket(family, sockaddr, v6only=len(addresses) > 1))
             except OSError as e:
                 raise StartupError(_bind_error(host, where, e)) from None
-            sock.set_inheritable(True)
     except BaseException:
         for sock in sockets:
             sock.close()
         raise
     return sockets
+
+
+def tcp_socket(family: int, sockaddr: tuple, v6only: bool, reuseport: bool = False,
+               listening: bool = True) -> socket.socket:
+    """One inheritable TCP socket bound at `sockaddr` (and listening, unless told not to yet), closed again if
+    any step fails: `listen`'s, and each API server's own in split mode (`reuseport`, wde/server/listeners.py)."""
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        if os.name == "posix":  # restart at once, with the old server's connections still in TIME_WAIT
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuseport:  # several listeners on one port, the kernel spreading connections over them
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6 and v6only:  # `::` and `0.0.0.0` side by side
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(sockaddr)
+        if listening:
+            sock.listen(LISTEN_BACKLOG)
+        sock.set_inheritable(True)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _bind_error(host: str, where: str, error: OSError) -> str:
