@@ -127,7 +127,7 @@ async def _embed(request: Request, svc: Service, body: CohereEmbedRequest, route
         raise ApiError("empty", f"{inputs.field} is empty: send at least one input", inputs.field)
     svc.check_token_cap(body.max_tokens, "max_tokens")
     truncate, direction = _TRUNCATE[body.truncate]
-    prompts = getattr(svc.engine.input_processor, "prompts", {})
+    prompts = svc.prompts
     params = PoolingParams(truncate=truncate, truncation_direction=direction,  # type: ignore[arg-type]
                            prompt_name=prompt_name(body.input_type, prompts), dimensions=body.output_dimension,
                            outputs=("dense",))

@@ -234,6 +234,12 @@ class Service:
         self.metrics.on_outputs(outputs)
         return Result(outputs, _timing_headers(outputs, start, inputs))
 
+    @property
+    def prompts(self) -> dict[str, str]:
+        """The served model's named prompts (`prompt_name`, Cohere's input types, Weaviate's task types); none for
+        an input processor that defines none."""
+        return getattr(self.engine.input_processor, "prompts", {})
+
     def hf_tokenizer(self) -> Any:
         """The tokenizer component, for the routes that tokenize or decode on their own (/tokenize, /decode,
         /detokenize); the 'unsupported' refusal when it exposes no Hugging Face tokenizer."""

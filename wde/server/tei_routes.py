@@ -259,7 +259,7 @@ async def tokenize(request: Request) -> JSONResponse:
                        f" {svc.config.max_client_batch_size}", "inputs")
     component = svc.hf_tokenizer()
     svc.check_texts(texts, item_names("inputs", body.inputs))
-    prompts = getattr(svc.engine.input_processor, "prompts", {})
+    prompts = svc.prompts
     if body.prompt_name is not None and body.prompt_name not in prompts:
         raise ApiError("validation", f"prompt_name {body.prompt_name!r} is not defined; defined prompts:"
                        f" {sorted(prompts) or 'none'}", "prompt_name")

@@ -140,7 +140,7 @@ def task_prompt(task_type: str | None, svc: Service) -> str | None:
     if task_type not in TASK_PROMPTS:
         raise ApiError("validation", f"config.task_type {task_type!r} is not a Weaviate task type: send 'query' or"
                        " 'passage' (or leave it out)", "config.task_type")
-    prompts = getattr(svc.engine.input_processor, "prompts", {})
+    prompts = svc.prompts
     return next((name for name in TASK_PROMPTS[task_type] if name in prompts), None)
 
 
