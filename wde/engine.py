@@ -22,16 +22,20 @@ import numpy as np
 import torch
 
 from wde.components.base import COMPONENT_KINDS, BuildContext
-from wde.components.pooler import Pooled
+from wde.chunking import ChunkMerger
+from wde.components.pooler import ChunkedPooling, Pooled
 from wde.components.scheduler import SchedulerOutput
 from wde.errors import ModelLoadError, RequestError, internal_error, one_line
 from wde.model_source import ModelSource
 from wde.registry import Registry, get_registry
-from wde.request import PoolingParams, Request, RequestOutput
+from wde.request import PoolingParams, Request, RequestOutput, SchedulableRequest
 from wde.workflow import ResolvedWorkflow, load_workflow, overrides_to_paths
 
 
 log = logging.getLogger("wde.engine")
+
+Done = tuple[SchedulableRequest, RequestOutput]
+"""A scheduled sequence and its output (a chunk's goes to `ChunkMerger` before its request's is finished)."""
 
 SOLO_ATTEMPTS = 2
 """Runs a request gets in a batch of its own before its failure is final (the first failure may be transient)."""
@@ -116,8 +120,16 @@ def resolve(workflow: str | Path | None = None, model: str | Path | None = None,
     return resolved, source
 
 
-def check_params(params: PoolingParams | None, workflow: str, outputs: Sequence[str], dense_size: int | None) -> None:
-    """Refuse request params the workflow cannot honour (an output it does not produce, too many dimensions)."""
+def check_params(params: PoolingParams | None, workflow: str, outputs: Sequence[str], dense_size: int | None,
+                 chunkable: bool) -> None:
+    """Refuse request params the workflow cannot honour (an output it does not produce, too many dimensions,
+    chunked processing where the pooler has no `ChunkedPooling` or for an output other than 'dense')."""
+    if params is not None and params.chunk and not params.truncate and params.max_tokens is None:
+        others = [o for o in (params.outputs or ("dense",)) if o != "dense"]
+        if not chunkable or "dense" not in outputs or others:
+            what = f"outputs {others}" if others and chunkable else f"workflow {workflow!r}"
+            raise RequestError(f"chunked processing of long inputs (chunk) gives dense embeddings only, and {what}"
+                               " cannot be chunked; send truncate=true or shorter inputs", "chunk")
     if params is not None and params.outputs is not None:
         unknown = [o for o in params.outputs if o not in outputs]
         if unknown:
@@ -159,6 +171,9 @@ class Engine:
             if not isinstance(self.dense_size, int):
                 raise ModelLoadError(f"workflow {workflow.name!r}: pooler {workflow.components['pooler'].name!r}"
                                      " produces 'dense' but does not declare its width as `dense_size`")
+        self.chunkable: bool = isinstance(ctx.pooler, ChunkedPooling)
+        """Whether long inputs may be embedded in chunks (`PoolingParams.chunk`, wde/chunking.py)."""
+        self._chunks = ChunkMerger(ctx.pooler.finish_chunks if self.chunkable else None)
         self.on_batch: Callable[[BatchStats], None] | None = None
         """Called (on the thread running `step`) after each finished batch; the server's metrics use it."""
         self._ids = itertools.count()
@@ -234,7 +249,7 @@ class Engine:
         Raises `RequestError` naming the field, e.g. for an output this workflow does not produce. `field` is
         how errors name the input (a pair may name each side: ``("query", "documents[3]")``).
         """
-        check_params(params, self.workflow.name, self.supported_outputs, self.dense_size)
+        check_params(params, self.workflow.name, self.supported_outputs, self.dense_size, self.chunkable)
         return self.input_processor.process(request_id or f"req-{next(self._ids)}", inputs, params, field=field)
 
     def add_request(self, inputs: Any, params: PoolingParams | None = None, request_id: str | None = None) -> str:
@@ -256,6 +271,7 @@ class Engine:
         that fails anywhere from packing to output conversion is split and retried until the culprit runs alone.
         """
         finished: list[RequestOutput] = []
+        done: list[tuple[SchedulableRequest, RequestOutput]] = []
         while len(self._inflight) < self.executor.max_inflight:
             if self._retry:
                 batch = self._retry.popleft()
@@ -267,26 +283,30 @@ class Engine:
             try:
                 self._inflight.append((batch, self.executor.submit(self.input_builder.build(batch))))
             except Exception as e:  # noqa: BLE001 - isolated by `_failed`
-                finished.extend(self._failed(batch, e, "model input builder"))
+                done.extend(self._failed(batch, e, "model input builder"))
         if self._inflight:
             batch, future = self._inflight.popleft()
             try:
                 pooled, seconds = future.result()
-                served, pooled, outputs = self._drop_nonfinite(batch, pooled)
+                served, pooled, failed = self._drop_nonfinite(batch, pooled)
                 if served.scheduled:
-                    outputs += self.output_processor.process(served, pooled, seconds)
+                    failed += zip(served.scheduled, self.output_processor.process(served, pooled, seconds))
             except Exception as e:  # noqa: BLE001 - isolated by `_failed`
-                finished.extend(self._failed(batch, e, "model or output processor"))
+                done.extend(self._failed(batch, e, "model or output processor"))
             else:
-                finished.extend(outputs)
+                done.extend(failed)
                 if self._failed_alone:
-                    for o in outputs:
+                    for _, o in failed:
                         self._failed_alone.pop(o.request_id, None)
                 self._report(BatchStats(len(batch.scheduled), batch.num_tokens, seconds))
+        for scheduled, out in done:
+            merged = self._chunks.add(scheduled, out)
+            if merged is not None:
+                finished.append(merged)
         return finished
 
     @staticmethod
-    def _drop_nonfinite(batch: SchedulerOutput, pooled: Pooled) -> tuple[SchedulerOutput, Pooled, list[RequestOutput]]:
+    def _drop_nonfinite(batch: SchedulerOutput, pooled: Pooled) -> tuple[SchedulerOutput, Pooled, list[Done]]:
         """Fail each request whose pooled output holds a NaN or infinity (a 500 naming it, logged); the batch
         and outputs of the others, unchanged in the usual case where every value is finite."""
         bad = nonfinite_rows(pooled)
@@ -296,7 +316,7 @@ class Engine:
         for i, name in sorted(bad.items()):
             rid = batch.scheduled[i].request.request_id
             error = NonFiniteOutput(f"output {name!r} of the model holds NaN or infinite values")
-            failed.append(RequestOutput(rid, error=internal_error(rid, error, "model output")))
+            failed.append((batch.scheduled[i], RequestOutput(rid, error=internal_error(rid, error, "model output"))))
         keep = [i for i in range(len(batch.scheduled)) if i not in bad]
         return SchedulerOutput([batch.scheduled[i] for i in keep]), select_rows(pooled, keep), failed
 
@@ -308,7 +328,7 @@ class Engine:
         except Exception:  # noqa: BLE001 - a metrics callback must never cost a request or the loop
             log.exception("the on_batch callback failed; the batch's results are delivered anyway")
 
-    def _failed(self, batch: SchedulerOutput, error: Exception, where: str) -> list[RequestOutput]:
+    def _failed(self, batch: SchedulerOutput, error: Exception, where: str) -> list[Done]:
         """Split a failed batch in two and queue both halves for retry. A request failing alone is retried once
         more (the fault may have been transient); failing alone twice, it has failed."""
         if len(batch.scheduled) > 1:
@@ -326,7 +346,7 @@ class Engine:
             self._retry.appendleft(batch)
             return []
         self._failed_alone.pop(rid, None)
-        return [RequestOutput(rid, error=internal_error(rid, error, where))]
+        return [(batch.scheduled[0], RequestOutput(rid, error=internal_error(rid, error, where)))]
 
     def reset(self) -> list[str]:
         """Forget every queued, retried and in-flight request (after the step loop itself failed); their ids."""
@@ -338,7 +358,7 @@ class Engine:
         self._retry.clear()
         self._inflight.clear()
         self._failed_alone.clear()
-        return ids
+        return list(dict.fromkeys(ids + self._chunks.clear()))
 
     def encode(self, inputs: Sequence[Any], params: PoolingParams | None = None, *, progress: bool = False,
                raise_on_error: bool = True) -> list[RequestOutput]:

@@ -32,6 +32,8 @@ class EngineInfo:
     """The model's dtype, e.g. "float32" (with mixed precision, its linear layers' dtype)."""
     device: str
     """Where the model runs, e.g. "cpu", "cuda:0"."""
+    chunkable: bool = False
+    """Whether long inputs may be embedded in chunks (`PoolingParams.chunk`: the pooler is a `ChunkedPooling`)."""
 
     @classmethod
     def of(cls, engine: "Engine") -> "EngineInfo":
@@ -56,4 +58,5 @@ class EngineInfo:
             dtype=str(getattr(model, "dtype", None) or param.dtype).removeprefix("torch.") if param is not None else
             "unknown",
             device=str(param.device) if param is not None else "cpu",
+            chunkable=engine.chunkable,
         )

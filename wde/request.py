@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Union
 
 from wde.errors import RequestError
@@ -61,6 +61,14 @@ class PoolingParams:
     max_tokens: int | None = None
     """Truncate to at most this many tokens (special tokens included), below the model's limit: vLLM's
     `truncate_prompt_tokens` N. Implies truncation; None: the model's limit, truncated only with `truncate`."""
+    chunk: bool = False
+    """Chunked processing of an input over the model's limit (vLLM's): its tokens are cut into chunks that fit,
+    each with the model's special tokens, each chunk is pooled before normalization, and the chunk vectors are
+    averaged weighted by their token counts before `dimensions` and normalization apply (wde/chunking.py). For
+    dense embeddings; `truncate` (or `max_tokens`) wins where both are set."""
+    max_embed_len: int | None = None
+    """With `chunk`: the most tokens an input may have in all (the server's --max-embed-len); more is refused.
+    None: no bound."""
     prompt_tokens: int = 0
     """Set by the input processor, not by users: how many leading tokens are the instruction prompt
     (sentence-transformers' `prompt_length`), for a pooler that leaves the prompt out (`include_prompt: false`)."""
@@ -89,10 +97,35 @@ class SchedulableRequest:
     """An image request's pixels (`ImagePrompt.pixel_values`); its `token_ids` are then empty."""
     image_tokens: int = 0
     """An image request's sequence length in the vision tower (what it counts against the token budget)."""
+    chunks: list[tuple[list[int], list[int] | None]] | None = None
+    """A long input's chunks (`PoolingParams.chunk`, wde/chunking.py), each fitting the model: the scheduler
+    queues them in its place (`sequences`), while `token_ids` keep the whole input (what a split engine's API
+    server sends its core)."""
+    chunk: tuple[int, int] | None = None
+    """(index, count) when this sequence is one chunk of a long input."""
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids) if self.pixel_values is None else self.image_tokens
+
+    def sequences(self) -> list["SchedulableRequest"]:
+        """What the scheduler queues for this request: itself, or its chunks, together and in order (they share
+        this `Request`)."""
+        if not self.chunks:
+            return [self]
+        n = len(self.chunks)
+        return [SchedulableRequest(self.request, ids, types, chunk=(i, n)) for i, (ids, types) in enumerate(self.chunks)]
+
+    @property
+    def params(self) -> PoolingParams:
+        """The params this sequence is pooled with: the request's, except that a chunk is pooled raw (no
+        `dimensions`, no normalization: they apply once its request's chunks are merged, wde/chunking.py), and
+        an instruction prompt's tokens are only in the first chunk."""
+        params = self.request.params
+        if self.chunk is None:
+            return params
+        return replace(params, normalize=False, dimensions=None,
+                       prompt_tokens=params.prompt_tokens if self.chunk[0] == 0 else 0)
 
 
 @dataclass

@@ -143,7 +143,7 @@ class PackedInputBuilder(Component):
         types = None
         if any(s.token_type_ids is not None for s in seqs):
             types = torch.tensor([t for s in seqs for t in (s.token_type_ids or [0] * s.num_tokens)], dtype=torch.long)
-        mi = ModelInput(input_ids, positions, cu, lens, max(lens), types, [s.request.params for s in seqs])
+        mi = ModelInput(input_ids, positions, cu, lens, max(lens), types, [s.params for s in seqs])
         if self._pin:
             mi = replace(mi, input_ids=mi.input_ids.pin_memory(), positions=mi.positions.pin_memory(),
                          cu_seqlens=mi.cu_seqlens.pin_memory(),

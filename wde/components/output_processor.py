@@ -26,8 +26,9 @@ class EmbeddingOutputProcessor(Component):
             r = s.request
             outputs = {k: v[i] for k, v in rows.items()}
             outputs.update({k: v[b[i]:b[i + 1]] for k, (v, b) in ragged.items()})
-            if "dense" in outputs and r.params.dimensions is not None:
-                outputs["dense"] = outputs["dense"][:r.params.dimensions]  # a mixed batch pads rows to full width
+            dimensions = s.params.dimensions
+            if "dense" in outputs and dimensions is not None:
+                outputs["dense"] = outputs["dense"][:dimensions]  # a mixed batch pads rows to full width
             queue = (r.scheduled_time or now) - r.arrival_time
             outs.append(RequestOutput(r.request_id, outputs, s.num_tokens, None, s.token_ids,
                                       queue_time=queue, tokenization_time=r.tokenization_time,

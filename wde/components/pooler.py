@@ -7,8 +7,9 @@ split by boundaries (`ragged`, e.g. per-token embeddings). The output processor 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Sequence
 
+import numpy as np
 import torch
 
 from wde.components.base import BuildContext, Component
@@ -17,6 +18,7 @@ from wde.components.models.fused import l2_normalize
 from wde.components.params import SentencePoolerParams  # torch-free, so validating a workflow needs no torch
 from wde.components.st_modules import after_pooling, read_modules, transformer_config
 from wde.errors import ModelLoadError
+from wde.request import PoolingParams
 
 PoolingMode = Literal["cls", "mean", "max", "last", "weightedmean", "mean_sqrt_len", "all"]
 
@@ -107,9 +109,14 @@ def pool(hidden: torch.Tensor, batch: ModelInput, mode: PoolingMode, skip: torch
 
 def finish_embeddings(x: torch.Tensor, batch: ModelInput, normalize_default: bool) -> torch.Tensor:
     """Apply per-request `dimensions` (matryoshka truncation) and normalization, in that order."""
+    return finish_rows(x, batch.pooling_params, normalize_default)
+
+
+def finish_rows(x: torch.Tensor, params: Sequence[PoolingParams], normalize_default: bool) -> torch.Tensor:
+    """`finish_embeddings` for rows pooled with these params (one each)."""
     x = x.float()
-    dims = [p.dimensions for p in batch.pooling_params]
-    norms = [normalize_default if p.normalize is None else p.normalize for p in batch.pooling_params]
+    dims = [p.dimensions for p in params]
+    norms = [normalize_default if p.normalize is None else p.normalize for p in params]
     if any(d is not None for d in dims):
         width = min(d or x.shape[1] for d in dims)
         if all(d == width for d in dims):
@@ -191,11 +198,21 @@ def st_pooling_mode(cfg: dict, where: str) -> PoolingMode:
     return st.modes[0]
 
 
+class ChunkedPooling:
+    """The contract of a pooler whose dense embeddings may be computed in chunks (`PoolingParams.chunk`,
+    wde/chunking.py): a sequence pooled with `normalize=False` and `dimensions=None` gives its raw embedding (after
+    every module but the normalization), and `finish_chunks` turns the token-weighted mean of a request's raw chunk
+    embeddings into its embedding. The engine accepts `chunk` only from a pooler that subclasses this."""
+
+    def finish_chunks(self, mean: np.ndarray, params: PoolingParams) -> np.ndarray:
+        raise NotImplementedError
+
+
 TOKENS = "token_embeddings"
 """Per-token final hidden states (TEI's /embed_all, sentence-transformers' output_value="token_embeddings")."""
 
 
-class SentencePooler(Component):
+class SentencePooler(Component, ChunkedPooling):
     """sentence-transformers' pipeline after the Transformer, read from the model folder's `modules.json`:
     Pooling (CLS, mean, max, last token, weighted mean, mean/sqrt(len), concatenations, with or without the
     prompt's tokens), then its Dense / LayerNorm / Dropout / Normalize modules in order (output 'dense'); or
@@ -253,6 +270,10 @@ class SentencePooler(Component):
                 f"pooler.params.pooling is 'auto' but {ctx.source.path} has no sentence-transformers Pooling config;"
                 " set pooler.params.pooling to one of cls, mean, max, last, weightedmean, mean_sqrt_len, all")
         return st_pooling(cfg, str(folder / "config.json"))
+
+    def finish_chunks(self, mean: np.ndarray, params: PoolingParams) -> np.ndarray:
+        """`dimensions`, then the model's normalization (or the request's), as `forward` does per sequence."""
+        return finish_rows(torch.from_numpy(mean)[None], [params], self.normalize)[0].numpy()
 
     def embed(self, hidden: torch.Tensor, batch: ModelInput) -> torch.Tensor:
         """[num_seqs, width] float32 sentence embeddings before `dimensions` and normalization."""

@@ -13,6 +13,7 @@ from typing import Sequence
 from pydantic import Field
 
 from wde.components.base import BuildContext, Component, Params
+from wde.chunking import split
 from wde.errors import RequestError, internal_error
 from wde.request import PairPrompt, Request, SchedulableRequest, TextPrompt, TokensPrompt
 
@@ -88,6 +89,8 @@ class LazyTokenizeRequestProcessor(Component):
             limit = min(limit, cap)
         if len(ids) <= limit:
             return SchedulableRequest(request, ids, types)
+        if request.params.chunk and not request.params.truncate and cap is None:
+            return self._chunked(request, ids, types, limit)
         if not request.params.truncate and cap is None:
             return RequestError(
                 f"input has {len(ids)} tokens, more than the limit of {limit} (model max length {self.max_length});"
@@ -104,6 +107,22 @@ class LazyTokenizeRequestProcessor(Component):
         assert isinstance(prompt, (TextPrompt, PairPrompt))
         (ids, types), = self._tokenizer.encode([prompt], max_length=limit, direction=direction)
         return SchedulableRequest(request, ids, types)
+
+    def _chunked(self, request: Request, ids: list[int], types: list[int] | None,
+                 limit: int) -> SchedulableRequest | RequestError:
+        """A long input cut into chunks of at most `limit` tokens (`PoolingParams.chunk`), within `max_embed_len`."""
+        bound = request.params.max_embed_len
+        if bound is not None and len(ids) > bound:
+            return RequestError(f"input has {len(ids)} tokens, more than the {bound} that chunked processing takes"
+                                " (max_embed_len); shorten it or set truncate=true", "input", kind="too_long")
+        if isinstance(request.prompt, PairPrompt):
+            return RequestError(f"input has {len(ids)} tokens, more than the limit of {limit}, and a pair cannot be"
+                                " chunked; shorten it or set truncate=true", "input", kind="too_long")
+        affixes = self._tokenizer.special_affixes
+        if affixes is None:
+            return RequestError("chunked processing needs to tell this tokenizer's special tokens from a text's, and"
+                                " it cannot; shorten the input or set truncate=true", "input", kind="too_long")
+        return SchedulableRequest(request, ids, types, chunks=split(ids, types, limit, affixes))
 
 
 def _given_tokens(prompt: TokensPrompt) -> tuple[list[int], list[int] | None]:

@@ -3,7 +3,8 @@
 Prefill-only requests are independent (no KV cache, no preemption), so first-come-first-served under a
 token budget and a request cap is enough, and scheduling can run ahead of the device. A request the request
 processor calls large (a huge text) is tokenized on a background thread and joins the ready queue when done,
-so it never holds up the requests behind it.
+so it never holds up the requests behind it. The chunks of a long input (wde/chunking.py) are queued together
+and scheduled like any other sequences; only the first is checked for an abort: once it runs, the rest run too.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class FCFSScheduler(Component):
     def _accept(self, requests: list[Request], results: list, out: SchedulerOutput) -> None:
         for req, res in zip(requests, results):
             if isinstance(res, SchedulableRequest):
-                self._ready.append(res)
+                self._ready.extend(res.sequences())
             elif not self._dequeued(req.request_id):
                 out.rejected.append(RequestOutput(req.request_id, error=res, tokenization_time=req.tokenization_time))
 
@@ -173,7 +174,9 @@ class FCFSScheduler(Component):
             if tokens + head.num_tokens > budget:
                 break
             self._ready.popleft()
-            if self._dequeued(head.request.request_id):
+            if (head.chunk is None or head.chunk[0] == 0) and self._dequeued(head.request.request_id):
+                while self._ready and self._ready[0].request is head.request:  # an aborted input's other chunks
+                    self._ready.popleft()
                 continue
             head.request.scheduled_time = now
             out.scheduled.append(head)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import time
 from pathlib import Path
@@ -204,6 +205,20 @@ class HFTokenizer(Component):
         if ids and ids[-1] == eos:
             return ids, types
         return ids + [eos], (types + types[-1:] if types else types)
+
+    @functools.cached_property
+    def special_affixes(self) -> tuple[list[int], list[int]] | None:
+        """The special tokens this tokenizer puts before and after a single text ([CLS] and [SEP]; <s> and </s>;
+        none and EOS), as `encode` adds them: what each chunk of a long input is given (wde/chunking.py). None
+        when a probe text's tokens are not found whole inside its encoding (special tokens that change with the
+        text), so the ids cannot be told apart."""
+        probe = "hello world"
+        (full, _), = self.encode([TextPrompt(probe)])
+        content = self._hf()(probe, add_special_tokens=False)["input_ids"]
+        for start in range(len(full) - len(content) + 1):
+            if full[start:start + len(content)] == content:
+                return full[:start], full[start + len(content):]
+        return None
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return self._tok.convert_ids_to_tokens(list(ids))

@@ -40,7 +40,8 @@ class Frontend:
     def make_request(self, inputs: Any, params: PoolingParams, request_id: str,
                      field: str | tuple[str, str]) -> Request:
         """`Engine.make_request`, on this side of the split: raises `RequestError` naming the field."""
-        check_params(params, self.info.workflow, self.info.outputs, self.info.dense_size)
+        check_params(params, self.info.workflow, self.info.outputs, self.info.dense_size,
+                     self.info.chunkable)
         return self.input_processor.process(request_id, inputs, params, field=field)
 
     def is_large(self, requests: list[Request]) -> bool:
