@@ -34,6 +34,8 @@ class EngineInfo:
     """Where the model runs, e.g. "cpu", "cuda:0"."""
     chunkable: bool = False
     """Whether long inputs may be embedded in chunks (`PoolingParams.chunk`: the pooler is a `ChunkedPooling`)."""
+    span_pooling: bool = False
+    """Whether token spans of an input may be pooled (`PoolingParams.spans`, late chunking: a `SpanPooling`)."""
 
     @classmethod
     def of(cls, engine: "Engine") -> "EngineInfo":
@@ -59,4 +61,5 @@ class EngineInfo:
             "unknown",
             device=str(param.device) if param is not None else "cpu",
             chunkable=engine.chunkable,
+            span_pooling=engine.span_pooling,
         )

@@ -11,6 +11,7 @@ from typing import Any
 from wde.components.base import BuildContext
 from wde.engine import check_params
 from wde.engine_info import EngineInfo
+from wde.late_chunking import check_spans
 from wde.errors import RequestError
 from wde.model_source import ModelSource
 from wde.request import ImagePrompt, PoolingParams, Request, SchedulableRequest, TokensPrompt
@@ -41,8 +42,10 @@ class Frontend:
                      field: str | tuple[str, str]) -> Request:
         """`Engine.make_request`, on this side of the split: raises `RequestError` naming the field."""
         check_params(params, self.info.workflow, self.info.outputs, self.info.dense_size,
-                     self.info.chunkable)
-        return self.input_processor.process(request_id, inputs, params, field=field)
+                     self.info.chunkable, self.info.span_pooling)
+        request = self.input_processor.process(request_id, inputs, params, field=field)
+        check_spans(request)
+        return request
 
     def is_large(self, requests: list[Request]) -> bool:
         """Whether tokenizing these requests should leave the event loop (see `background_chars`)."""

@@ -28,8 +28,9 @@ COLUMN = {"dense": "embedding", "sparse": "sparse", "colbert": "colbert"}
 
 
 def flag_hint(message: str) -> str:
-    """Engine messages speak of request fields; on the command line the switch is `--truncate`."""
-    return message.replace("set truncate=true", "pass --truncate")
+    """Engine messages speak of request fields; on the command line the switches are `--truncate` and
+    `--max-embed-len`."""
+    return message.replace("set truncate=true", "pass --truncate").replace("(max_embed_len)", "(--max-embed-len)")
 
 
 class ShardEmbedder:
@@ -44,9 +45,13 @@ class ShardEmbedder:
         if job.image_field is not None and not self.images:
             raise CorpusError(f"--image-field {job.image_field}: workflow {engine.workflow.name!r} embeds texts only;"
                               " use an image-text workflow such as clip or siglip (docs/images.md)")
+        if job.chunk and not (engine.chunkable and job.outputs == ("dense",)):
+            raise CorpusError(f"--long-inputs chunk: chunked processing gives dense embeddings only, and workflow"
+                              f" {engine.workflow.name!r} with --outputs {','.join(job.outputs)} cannot be chunked")
         self.engine = engine
         self.job = job
-        self.params = PoolingParams(truncate=job.truncate, prompt_name=job.prompt_name,
+        self.params = PoolingParams(truncate=job.truncate, chunk=job.chunk, max_embed_len=job.max_embed_len,
+                                    prompt_name=job.prompt_name,
                                     outputs=None if job.outputs == ("dense",) else job.outputs)
         self.open_images = open_images(engine)
         """Image requests admitted and not finished at most: room for the batches the executor keeps in flight

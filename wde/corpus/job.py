@@ -37,6 +37,9 @@ class EmbedJob(BaseModel):
     id_field: str | None = Field(None, description="jsonl key / parquet column holding the id; default file:line")
     outputs: tuple[Literal["dense", "sparse", "colbert"], ...] = Field(("dense",), min_length=1)
     truncate: bool = False
+    chunk: bool = Field(False, description=(
+        "embed a text longer than the model in chunks averaged by token count (wde/chunking.py); dense only"))
+    max_embed_len: int | None = Field(None, gt=0, description="with `chunk`: the most tokens one text may have")
     prompt_name: str | None = None
     skip_blank: bool = Field(False, description=".txt: skip blank lines instead of refusing them")
     shard_size: int = Field(4096, gt=0, description="records per output shard (the unit of resume)")

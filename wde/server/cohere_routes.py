@@ -32,7 +32,13 @@ INPUT_TYPE_PROMPTS: dict[str, tuple[str, ...]] = {
 """Cohere's input types → the prompt names that serve them, first defined wins (sentence-transformers models
 usually name theirs `query` and `document` or `passage`)."""
 
-_TRUNCATE = {"NONE": (False, "right"), "END": (True, "right"), "START": (True, "left")}
+def cohere_long_inputs(svc: Service, truncate: str | None) -> dict[str, Any]:
+    """PoolingParams keyword arguments for Cohere's `truncate`: NONE refuses an over-long input, START and END
+    truncate it; left out, a server set to --long-inputs chunk chunks it, any other truncates it (Cohere's default,
+    END)."""
+    if truncate is None and svc.config.long_inputs == "chunk":
+        return svc.long_inputs(None)
+    return {**svc.long_inputs(truncate != "NONE"), "truncation_direction": "left" if truncate == "START" else "right"}
 
 
 def prompt_name(input_type: str | None, prompts: dict[str, str]) -> str | None:
@@ -126,9 +132,8 @@ async def _embed(request: Request, svc: Service, body: CohereEmbedRequest, route
     if not inputs.items:
         raise ApiError("empty", f"{inputs.field} is empty: send at least one input", inputs.field)
     svc.check_token_cap(body.max_tokens, "max_tokens")
-    truncate, direction = _TRUNCATE[body.truncate]
     prompts = svc.prompts
-    params = PoolingParams(truncate=truncate, truncation_direction=direction,  # type: ignore[arg-type]
+    params = PoolingParams(**cohere_long_inputs(svc, body.truncate),
                            prompt_name=prompt_name(body.input_type, prompts), dimensions=body.output_dimension,
                            outputs=("dense",))
     await _resolve(request, svc, inputs)
@@ -183,7 +188,7 @@ class CohereV1EmbedRequest(Body):
     embedding_types: list[CohereEmbeddingType] | None = None
     """Left out: the v1 float answer (`embeddings_floats`); given: the by-type answer, as v2's."""
     truncate: Literal["NONE", "START", "END"] | None = None
-    """Left out or null (langchain-cohere sends null when its `truncate` is unset): Cohere's default, END."""
+    """Left out or null (langchain-cohere sends null when its `truncate` is unset): as /v2/embed's."""
 
 
 _V2_ONLY = ("inputs", "max_tokens", "output_dimension", "priority")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -80,13 +81,19 @@ async def embeddings(request: Request) -> JSONResponse:
 async def _embed(request: Request, svc: Service, body: EmbeddingOptions, inputs: list, names: list[str],
                  images: bool = False) -> JSONResponse:
     """Embed `inputs` with the body's options, in OpenAI's list envelope."""
-    params = PoolingParams(**truncation(body, svc.info.max_length, body.truncate), prompt_name=body.prompt_name,
-                           dimensions=body.dimensions or None, outputs=("dense",))
+    params = PoolingParams(**long_inputs(svc, truncation(body, svc.info.max_length, body.truncate)),
+                           prompt_name=body.prompt_name, dimensions=body.dimensions or None, outputs=("dense",))
     result = await svc.run(request, inputs, params, "input", names, images=images)
     vectors = quantize_rows(result.dense, body.embed_dtype, svc.config.quantization_ranges, "embed_dtype")
     data = [{"object": "embedding", "embedding": encode_vector(v, body.encoding_format), "index": i}
             for i, v in enumerate(vectors)]
     return _list_response(svc, data, result)
+
+
+def long_inputs(svc: Service, cut: dict[str, Any]) -> dict[str, Any]:
+    """`cut` (vLLM's truncation fields read), with the server's --long-inputs where the body asked for no
+    truncation."""
+    return cut if cut["truncate"] else {**cut, **svc.long_inputs(None)}
 
 
 @router.post("/pooling", openapi_extra=body_schema(PoolingRequest))
@@ -109,8 +116,9 @@ async def pooling(request: Request) -> JSONResponse:
         raise ApiError("validation", "normalize and use_activation are both given; send one (vLLM's name is"
                        " use_activation)", "use_activation")
     pooled = main in ("dense", "sparse")  # use_activation: normalization for vectors, the activation for scores
-    params = PoolingParams(**truncation(body, svc.info.max_length, body.truncate, body.truncation_direction
-                                        if "truncation_direction" in body.model_fields_set else None),
+    cut = truncation(body, svc.info.max_length, body.truncate, body.truncation_direction
+                     if "truncation_direction" in body.model_fields_set else None)
+    params = PoolingParams(**(long_inputs(svc, cut) if main == "dense" and not extras else cut),
                            normalize=body.use_activation if pooled and body.normalize is None else body.normalize,
                            activation=None if pooled else body.use_activation, prompt_name=body.prompt_name,
                            dimensions=body.dimensions, outputs=(main, *extras))

@@ -341,7 +341,8 @@ class CohereEmbedRequest(Body):
     max_tokens: int | None = Field(None, gt=0)
     output_dimension: int | None = Field(None, gt=0)
     embedding_types: list[CohereEmbeddingType] | None = None
-    truncate: Literal["NONE", "START", "END"] = "END"
+    truncate: Literal["NONE", "START", "END"] | None = None
+    """Left out: Cohere's default, END, unless the server embeds long inputs in chunks (--long-inputs chunk)."""
     priority: int | None = None
     """Accepted and ignored: requests are served first come, first served."""
 

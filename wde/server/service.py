@@ -26,6 +26,7 @@ from wde.server.config import ServerConfig
 from wde.server.errors import ApiError, ErrorKind, request_id
 from wde.server.image_fetch import FetchLimits, ImageFetcher
 from wde.server.metrics import ServerMetrics
+from wde.server.startup import StartupError
 
 _NEEDS = {
     "dense": "an embedding model (output 'dense')",
@@ -52,9 +53,21 @@ T = TypeVar("T")
 
 log = logging.getLogger("wde.server")
 
+CHUNKED_LIMIT_FACTOR = 16
+"""--max-embed-len's default, in multiples of the model's limit: 4,096 tokens for all-MiniLM-L6-v2, 131,072 for
+bge-m3; an input's JSON is bounded by the payload limit anyway."""
+
 RETRY_AFTER_S = 5
 """Retry-After of a 503 for a request that ran past its deadline: long enough not to pile retries onto an engine
 that is behind, short against the deadline itself."""
+
+
+def check_long_inputs(config: ServerConfig, info: EngineInfo) -> None:
+    """Refuse `--long-inputs chunk` at start-up, in one line, for a workflow that cannot chunk."""
+    if config.long_inputs == "chunk" and not (info.chunkable and "dense" in info.outputs):
+        raise StartupError(f"--long-inputs chunk: workflow {info.workflow!r} cannot embed long inputs in chunks"
+                           " (chunked processing is for dense embeddings from a pooler that supports it, such as"
+                           " 'sentence'); use --long-inputs refuse or truncate")
 
 
 def api_error(error: RequestError) -> ApiError:
@@ -100,9 +113,22 @@ class Service:
         self.fetcher = (ImageFetcher(config.allow_image_fetch, fetch_limits(config, self.max_image_bytes))
                         if config.allow_image_fetch and self.max_image_bytes is not None else None)
         """Fetches image URLs from the --allow-image-fetch hosts; None (every URL refused) unless some are named."""
+        check_long_inputs(config, self.info)
+        self.max_embed_len: int = config.max_embed_len or CHUNKED_LIMIT_FACTOR * self.info.max_length
+        """The most tokens one input may have under chunked processing (`wde serve --max-embed-len`)."""
         if config.allow_image_fetch and not self.takes_images:
             log.warning("--allow-image-fetch has no effect: workflow %r embeds text only, and images sent to it are"
                         " refused", self.info.workflow)
+
+    def long_inputs(self, truncate: bool | None) -> dict[str, Any]:
+        """PoolingParams keyword arguments for what an over-long input gets: truncation when its request asks
+        (`truncate` True), a 422 when it asks for that (False: Cohere's NONE), else the server's --long-inputs."""
+        mode = self.config.long_inputs if truncate is None else "truncate" if truncate else "refuse"
+        if mode == "truncate":
+            return {"truncate": True}
+        if mode == "chunk":
+            return {"chunk": True, "max_embed_len": self.max_embed_len}
+        return {}
 
     def liveness(self) -> str | None:
         """None while the engine serves; else why not, for /health's 503: the loop stopped or gave up, or it has
