@@ -25,10 +25,11 @@ if TYPE_CHECKING:
     from wde.components.models.fused import add_layer_norm, add_rms_norm, l2_normalize
     from wde.components.models.loader import fused_linear, load_weights
     from wde.components.params import AttentionParams, ModelParams, SentencePoolerParams
-    from wde.components.pooler import (Pooled, SentencePooler, StPooling, finish_embeddings, pool, segment_ids,
-                                      st_pooling, st_pooling_mode)
+    from wde.components.pooler import (Pooled, SentencePooler, SpanPooling, StPooling, finish_embeddings, pool,
+                                      segment_ids, st_pooling, st_pooling_mode)
     from wde.components.tokenizer import HFTokenizer, HFTokenizerParams
     from wde.errors import ModelLoadError, RequestError
+    from wde.late_chunking import LateChunk
     from wde.model_source import ModelSource
     from wde.plugins import make_plugin_manager
     from wde.plugins.hookspecs import hookimpl
@@ -91,6 +92,8 @@ _PUBLIC: dict[str, str] = {
     "StPooling": "wde.components.pooler",
     "SentencePooler": "wde.components.pooler",
     "SentencePoolerParams": "wde.components.params",
+    "SpanPooling": "wde.components.pooler",
+    "LateChunk": "wde.late_chunking",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -23,9 +23,10 @@ import torch
 
 from wde.components.base import COMPONENT_KINDS, BuildContext
 from wde.chunking import ChunkMerger
-from wde.components.pooler import ChunkedPooling, Pooled
+from wde.components.pooler import ChunkedPooling, Pooled, SpanPooling
 from wde.components.scheduler import SchedulerOutput
 from wde.errors import ModelLoadError, RequestError, internal_error, one_line
+from wde.late_chunking import Document, LateChunk, check_spans, join, prepare, refuse_spans
 from wde.model_source import ModelSource
 from wde.registry import Registry, get_registry
 from wde.request import PoolingParams, Request, RequestOutput, SchedulableRequest
@@ -121,9 +122,12 @@ def resolve(workflow: str | Path | None = None, model: str | Path | None = None,
 
 
 def check_params(params: PoolingParams | None, workflow: str, outputs: Sequence[str], dense_size: int | None,
-                 chunkable: bool) -> None:
+                 chunkable: bool, span_pooling: bool = False) -> None:
     """Refuse request params the workflow cannot honour (an output it does not produce, too many dimensions,
-    chunked processing where the pooler has no `ChunkedPooling` or for an output other than 'dense')."""
+    chunked processing where the pooler has no `ChunkedPooling` or for an output other than 'dense', spans where
+    it is no `SpanPooling` or with truncation or chunking: `refuse_spans`)."""
+    if params is not None and params.spans is not None:
+        refuse_spans(params, span_pooling and "dense" in outputs, workflow)
     if params is not None and params.chunk and not params.truncate and params.max_tokens is None:
         others = [o for o in (params.outputs or ("dense",)) if o != "dense"]
         if not chunkable or "dense" not in outputs or others:
@@ -174,6 +178,8 @@ class Engine:
         self.chunkable: bool = isinstance(ctx.pooler, ChunkedPooling)
         """Whether long inputs may be embedded in chunks (`PoolingParams.chunk`, wde/chunking.py)."""
         self._chunks = ChunkMerger(ctx.pooler.finish_chunks if self.chunkable else None)
+        self.span_pooling: bool = isinstance(ctx.pooler, SpanPooling) and ctx.pooler.pools_spans()
+        """Whether token spans of an input may be pooled (`PoolingParams.spans`, late chunking: `late_chunk`)."""
         self.on_batch: Callable[[BatchStats], None] | None = None
         """Called (on the thread running `step`) after each finished batch; the server's metrics use it."""
         self._ids = itertools.count()
@@ -249,8 +255,11 @@ class Engine:
         Raises `RequestError` naming the field, e.g. for an output this workflow does not produce. `field` is
         how errors name the input (a pair may name each side: ``("query", "documents[3]")``).
         """
-        check_params(params, self.workflow.name, self.supported_outputs, self.dense_size, self.chunkable)
-        return self.input_processor.process(request_id or f"req-{next(self._ids)}", inputs, params, field=field)
+        check_params(params, self.workflow.name, self.supported_outputs, self.dense_size, self.chunkable,
+                     self.span_pooling)
+        request = self.input_processor.process(request_id or f"req-{next(self._ids)}", inputs, params, field=field)
+        check_spans(request)
+        return request
 
     def add_request(self, inputs: Any, params: PoolingParams | None = None, request_id: str | None = None) -> str:
         """Validate one input (no tokenization) and queue it; raise `RequestError` on bad input."""
@@ -427,6 +436,41 @@ class Engine:
                                f" (it produces {sorted(outs[0].outputs)}); use Engine.encode")
         arr = np.stack([o.outputs["dense"] for o in outs])
         return arr[0] if single else arr
+
+    def late_chunk(self, text: str | Sequence[str], spans: Sequence[tuple[int, int]] | None = None, *,
+                   chunker: str | None = None, chunk_tokens: int | None = None, normalize: bool | None = None,
+                   dimensions: int | None = None, truncate: bool = False, truncation_direction: str = "right",
+                   prompt_name: str | None = None) -> list[LateChunk]:
+        """Late chunking (Jina's, wde/late_chunking.py): one `LateChunk` per chunk of `text`, its vector the mean
+        of its tokens' states from the WHOLE text, then the model's modules after pooling, `dimensions` and
+        normalization, as `embed` finishes a text's vector.
+
+        The chunks are the character `spans` ([start, end) of `text`), else those of the `chunker`: "sentences"
+        (the default) or "tokens" (windows of `chunk_tokens` tokens). A list of texts is Jina's shape: a
+        document's consecutive chunks, joined by single spaces and encoded together, one vector each. The whole
+        text must fit the model, unless `truncate`: then only the part kept is chunked."""
+        if not self.span_pooling:
+            raise RequestError(f"late chunking needs a pooler that pools token spans, as 'sentence' does for a"
+                               f" model pooled with one mode; workflow {self.workflow.name!r} cannot", "workflow")
+        names = None
+        if not isinstance(text, str):
+            if spans is not None or chunker is not None:
+                raise RequestError("a list of texts is a document's chunks already; give spans or a chunker with"
+                                   " one text", "spans" if spans is not None else "chunker")
+            text, spans = join(list(text), "text")
+            names = [f"text[{i}]" for i in range(len(spans))]
+        params = PoolingParams(truncate=truncate, truncation_direction=truncation_direction,  # type: ignore[arg-type]
+                               normalize=normalize, prompt_name=prompt_name, dimensions=dimensions)
+        doc: Document = prepare(self.tokenizer, self.input_processor, text, params, self._token_limit(),
+                                spans=spans, chunker=chunker, chunk_tokens=chunk_tokens, span_names=names,
+                                field="text")
+        out, = self.encode([doc.token_ids], doc.params)
+        return doc.chunks(out)
+
+    def _token_limit(self) -> int:
+        """The most tokens one input may have: the model's, or the scheduler's budget where it is smaller."""
+        budget = getattr(self.scheduler, "token_budget", None)
+        return self.max_length if budget is None else min(self.max_length, budget)
 
     def close(self) -> None:
         self.executor.shutdown()

@@ -72,6 +72,13 @@ class PoolingParams:
     prompt_tokens: int = 0
     """Set by the input processor, not by users: how many leading tokens are the instruction prompt
     (sentence-transformers' `prompt_length`), for a pooler that leaves the prompt out (`include_prompt: false`)."""
+    spans: tuple[tuple[int, int], ...] | None = None
+    """Late chunking (wde/late_chunking.py): token ranges [start, end) of the input's full token sequence (special
+    tokens counted), each pooled from the token states of the whole input, by the mean of its tokens' final
+    states, then the model's modules after pooling, `dimensions` and normalization (output 'chunk_embeddings',
+    one row per span). Needs a pooler that is a `SpanPooling` and the input as token ids; not with a pair,
+    `chunk`, `truncate` or `max_tokens` (the spans index the tokens as given). `Engine.late_chunk` makes them
+    from character spans or a chunker."""
 
 
 @dataclass

@@ -211,8 +211,28 @@ class ChunkedPooling:
 TOKENS = "token_embeddings"
 """Per-token final hidden states (TEI's /embed_all, sentence-transformers' output_value="token_embeddings")."""
 
+SPANS = "chunk_embeddings"
+"""One embedding per token span of `PoolingParams.spans` (late chunking, wde/late_chunking.py)."""
 
-class SentencePooler(Component, ChunkedPooling):
+
+class SpanPooling:
+    """The contract of a pooler that pools token spans of a sequence (late chunking, `PoolingParams.spans`): a
+    sequence with spans gets the ragged output `SPANS`, one row per span in order, each the mean of the span's
+    final token states (mean pooling, as Jina's late chunking does, whatever the model's own pooling), then the
+    modules after pooling, `dimensions` and normalization as for 'dense'. Rows are as wide as the model's
+    embeddings: a row's features from its request's `dimensions` on are zeros. `pools_spans()` says whether this
+    pooler, as built, can (one that pools every token, or concatenates pooling modes, cannot: its modules after
+    pooling take another width). The engine accepts `spans` only from a pooler that subclasses this and says so."""
+
+    def pools_spans(self) -> bool:
+        return True
+
+    def pool_spans(self, hidden: torch.Tensor, batch: ModelInput) -> tuple[torch.Tensor, list[int]]:
+        """(rows, bounds): sequence i owns rows[bounds[i]:bounds[i+1]], one per span (none without spans)."""
+        raise NotImplementedError
+
+
+class SentencePooler(Component, ChunkedPooling, SpanPooling):
     """sentence-transformers' pipeline after the Transformer, read from the model folder's `modules.json`:
     Pooling (CLS, mean, max, last token, weighted mean, mean/sqrt(len), concatenations, with or without the
     prompt's tokens), then its Dense / LayerNorm / Dropout / Normalize modules in order (output 'dense'); or
@@ -222,7 +242,8 @@ class SentencePooler(Component, ChunkedPooling):
     With a pooling mode other than `all`, a request whose `PoolingParams.outputs` names 'token_embeddings' also
     gets its tokens' final hidden states (special tokens included, raw unless the request sets `normalize=True`;
     TEI's /embed_all). Batches in which nobody asks cost nothing extra; a request that did not ask, batched with
-    one that did, gets an empty [0, hidden] `token_embeddings`."""
+    one that did, gets an empty [0, hidden] `token_embeddings`. Likewise a request with `PoolingParams.spans` gets
+    one embedding per span as 'chunk_embeddings' (late chunking, `SpanPooling`)."""
 
     kind = "pooler"
     name = "sentence"
@@ -275,6 +296,21 @@ class SentencePooler(Component, ChunkedPooling):
         """`dimensions`, then the model's normalization (or the request's), as `forward` does per sequence."""
         return finish_rows(torch.from_numpy(mean)[None], [params], self.normalize)[0].numpy()
 
+    def pools_spans(self) -> bool:
+        """Spans are mean-pooled, which the modules after pooling take only where the model pools with one mode."""
+        return self.mode != "all" and len(self.modes) == 1
+
+    def pool_spans(self, hidden: torch.Tensor, batch: ModelInput) -> tuple[torch.Tensor, list[int]]:
+        """Each span's mean token state, then the modules after pooling, `truncate_dim`, `dimensions` and
+        normalization, as `embed` and `forward` give a sequence's 'dense' row."""
+        means, bounds, params = span_means(hidden, batch)
+        x = self.head(means) if self.head is not None else means
+        if self.truncate_dim is not None:
+            x = x[:, :self.truncate_dim]
+        width = x.shape[1]
+        x = finish_rows(x, params, self.normalize)
+        return torch.nn.functional.pad(x, (0, width - x.shape[1])), bounds
+
     def embed(self, hidden: torch.Tensor, batch: ModelInput) -> torch.Tensor:
         """[num_seqs, width] float32 sentence embeddings before `dimensions` and normalization."""
         skip = None
@@ -298,7 +334,34 @@ class SentencePooler(Component, ChunkedPooling):
         wanted = [p.outputs is not None and TOKENS in p.outputs for p in batch.pooling_params]
         if any(wanted):
             pooled.ragged[TOKENS] = token_states(hidden, batch, wanted)
+        if any(p.spans for p in batch.pooling_params):
+            pooled.ragged[SPANS] = self.pool_spans(hidden, batch)
         return pooled
+
+
+def span_means(hidden: torch.Tensor, batch: ModelInput) -> tuple[torch.Tensor, list[int], list[PoolingParams]]:
+    """The float32 mean token state of every span of every sequence (`PoolingParams.spans`), in order; the bounds
+    of each sequence's rows; each row's params. A sequence's spans are read off float64 prefix sums of its states:
+    two rows per span whatever its length, and spans may overlap. A span outside its sequence raises (the engine
+    refuses such spans when the request is made)."""
+    cu = batch.cu_seqlens.tolist()
+    rows: list[torch.Tensor] = []
+    bounds = [0]
+    params: list[PoolingParams] = []
+    for i, p in enumerate(batch.pooling_params):
+        spans = p.spans or ()
+        if spans:
+            length = cu[i + 1] - cu[i]
+            if not all(0 <= start < end <= length for start, end in spans):
+                raise ValueError(f"spans {list(spans)} are not all within the sequence's {length} tokens")
+            seq = hidden[cu[i]:cu[i + 1]].double()
+            sums = torch.cat([seq.new_zeros(1, seq.shape[1]), seq.cumsum(0)])
+            starts = torch.tensor([s for s, _ in spans], device=seq.device)
+            ends = torch.tensor([e for _, e in spans], device=seq.device)
+            rows.append(((sums[ends] - sums[starts]) / (ends - starts)[:, None]).float())
+            params.extend([p] * len(spans))
+        bounds.append(bounds[-1] + len(spans))
+    return torch.cat(rows), bounds, params
 
 
 def token_states(hidden: torch.Tensor, batch: ModelInput, wanted: list[bool]) -> tuple[torch.Tensor, list[int]]:
