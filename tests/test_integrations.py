@@ -46,6 +46,7 @@ RECIPES = {
     "Haystack — TEI embedders (`huggingface-api-haystack`)": {"query", "query_vector"},
     "Haystack — OpenAI embedders (`haystack-ai`)": {"query", "query_vector"},
     "Infinity — `infinity_client`": set(),
+    "litellm — `litellm`": set(),
 }
 """Each section of the doc with one Python recipe, and what it defines besides `texts` and `vectors`."""
 
