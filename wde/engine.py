@@ -420,14 +420,19 @@ class Engine:
 
     def embed(self, texts: str | Sequence[Any], *, normalize: bool | None = None, truncate: bool = False,
               truncation_direction: str = "right", prompt_name: str | None = None,
-              dimensions: int | None = None, progress: bool = False) -> np.ndarray:
+              dimensions: int | None = None, chunk: bool = False, max_embed_len: int | None = None,
+              progress: bool = False) -> np.ndarray:
         """Dense embeddings, one row per input (a 1-D array for a single string, or a single image where the
-        workflow takes images: bytes, a PIL image, a path or an `{"image": ...}` mapping; docs/images.md)."""
+        workflow takes images: bytes, a PIL image, a path or an `{"image": ...}` mapping; docs/images.md).
+
+        An input longer than the model is refused, or truncated with `truncate`, or with `chunk` embedded in
+        chunks averaged by their token counts (up to `max_embed_len` tokens in all: wde/chunking.py)."""
         single = isinstance(texts, (str, bytes, bytearray, memoryview, os.PathLike, Mapping)) \
             or hasattr(texts, "getbands")  # a PIL image
         items = [texts] if single else list(texts)
         params = PoolingParams(truncate=truncate, truncation_direction=truncation_direction,  # type: ignore[arg-type]
-                               normalize=normalize, prompt_name=prompt_name, dimensions=dimensions)
+                               normalize=normalize, prompt_name=prompt_name, dimensions=dimensions, chunk=chunk,
+                               max_embed_len=max_embed_len)
         outs = self.encode(items, params, progress=progress)
         if not outs:
             return np.zeros((0, 0), dtype=np.float32)
