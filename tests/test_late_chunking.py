@@ -16,6 +16,7 @@ import torch
 
 from wde import Engine
 from wde.errors import RequestError
+from wde.components.pooler import TOKENS
 from wde.late_chunking import LateChunk, sentences
 from wde.request import PoolingParams
 
@@ -154,6 +155,25 @@ def test_spans_on_token_ids_in_a_mixed_batch(minilm_engine: Engine, st_minilm) -
     row = third.outputs["chunk_embeddings"]
     assert row.shape == (1, 384) and not row[0, 16:].any()
     assert np.abs(row[0, :16] - states[1:3].mean(0)[:16].numpy()).max() <= TOL
+
+
+def test_spans_survive_a_batch_split_across_cpu_streams(minilm_path: Path, minilm_engine: Engine) -> None:
+    """A batch cut into pieces for CPU streams (`Pooled.cat`): a piece where nobody asked for spans or token states
+    still gives the requests of the other pieces theirs."""
+    ids = minilm_engine.encode([TEXT])[0].prompt_token_ids
+    params = [PoolingParams(), PoolingParams(spans=((1, 5), (2, 9))), PoolingParams(outputs=("dense", TOKENS)),
+              PoolingParams(spans=((0, 3),))]
+    inputs = ["plain text here", ids, "more text", ids]
+    with Engine.from_workflow("bert", minilm_path, overrides=["runner.params.cpu_streams=2",
+                                                              "runner.params.cpu_stream_min_tokens=1"]) as split:
+        requests = [split.make_request(x, p) for x, p in zip(inputs, params)]
+        done = split.run(requests)
+    for r, x, p in zip(requests, inputs, params):
+        got = done[r.request_id].outputs
+        alone, = minilm_engine.encode([x], p)
+        for name in ("dense", *alone.outputs):
+            assert got[name].shape == alone.outputs[name].shape, name
+            assert np.abs(got[name] - alone.outputs[name]).max(initial=0) <= TOL, name
 
 
 def test_truncation_chunks_only_the_kept_text(minilm_engine: Engine, st_minilm) -> None:

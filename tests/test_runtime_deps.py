@@ -7,10 +7,10 @@ This test reads the source instead of running it: every `import`, `from ... impo
 at module level or inside a function, must name the standard library, `wde` itself, or a distribution in the
 closure of pyproject's `dependencies` (their own dependencies, recursively, with no extras).
 
-Packages of an extra (`triton`, `ray`) are listed below with the extra that installs them. They may be imported
-inside functions only, so nothing reachable from `wde serve`, `wde embed` or `Engine` fails on import without
-them; the only modules allowed to import them at module level are the ones listed in EXTRA_ONLY_MODULES, and those
-modules must in turn be imported only inside functions.
+Packages of an extra (`triton`, `ray`, `grpc`) are listed below with the extra that installs them. They may be
+imported inside functions only, so nothing reachable from `wde serve`, `wde embed` or `Engine` fails on import
+without them; the only modules allowed to import them at module level are the ones listed in EXTRA_ONLY_MODULES,
+and those modules must in turn be imported only inside functions.
 """
 
 from __future__ import annotations
@@ -35,16 +35,24 @@ else:  # pragma: no cover - the CI's Python is 3.11
 REPO = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
 
-EXTRA_ONLY = {"triton": ("triton", "triton"), "ray": ("ray", "ray")}
+EXTRA_ONLY = {"triton": ("triton", "triton"), "ray": ("ray", "ray"), "grpc": ("grpc", "grpcio"),
+              "google": ("grpc", "protobuf")}
 """Top-level import name -> (the extra that installs it, the distribution): imported inside functions only."""
 
 EXTRA_ONLY_MODULES = {
     "wde.kernels.varlen_attention": "triton",
     "wde.kernels.l2norm": "triton",
     "wde.kernels.fused_norm": "triton",
+    "wde.server.grpc.tei_pb2": "grpc",
+    "wde.server.grpc.tei_pb2_grpc": "grpc",
+    "wde.server.grpc.auth": "grpc",
+    "wde.server.grpc.calls": "grpc",
+    "wde.server.grpc.servicers": "grpc",
+    "wde.server.grpc.server": "grpc",
 }
-"""Modules that define Triton kernels on import: they import triton at module level, and every other module imports
-them inside a function, after checking that triton is there."""
+"""Modules that define Triton kernels on import, and those of TEI's gRPC API (wde/server/grpc): they import their
+extra's package at module level, and every other module imports them inside a function, after checking that the
+package is there."""
 
 
 @dataclass(frozen=True)

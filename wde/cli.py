@@ -253,6 +253,8 @@ def image_limit_overrides(**limits: float | None) -> list[str]:
 @click.option("--model", "-m", default=None, help="model folder or cached hub id (default: all-MiniLM-L6-v2)")
 @click.option("--host", default="127.0.0.1", show_default=True, help="bind address (loopback unless told otherwise)")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port to listen on")
+@click.option("--grpc-port", default=None, type=click.IntRange(0, 65535), metavar="PORT",
+              help="also serve TEI's gRPC API (tei.proto) on this port of --host (needs: pip install 'wde[grpc]')")
 @click.option("--api-key", default=None, envvar="WDE_API_KEY", help="require 'Authorization: Bearer KEY'")
 @click.option("--served-model-name", default=None,
               help="name(s) the API answers to, comma separated; the first is reported (default: the model id or"
@@ -318,7 +320,7 @@ def image_limit_overrides(**limits: float | None) -> list[str]:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="log level; debug also prints the traceback of a start-up failure after its one line")
-def serve(workflow: str | None, model: str | None, host: str, port: int, api_key: str | None,
+def serve(workflow: str | None, model: str | None, host: str, port: int, grpc_port: int | None, api_key: str | None,
           served_model_name: str | None, overrides: tuple[str, ...], max_client_batch_size: int,
           max_concurrent_requests: int, payload_limit: int | None, trust_remote_code: bool, access_log: bool,
           quantization_ranges: str | None, api_servers: str, token_id_inputs: bool, request_timeout: float,
@@ -327,7 +329,8 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, api_key
           image_fetch_max_bytes: int, image_fetch_deadline: float, image_fetch_connections: int,
           max_image_pixels: int | None,
           max_image_aspect_ratio: float | None, max_request_image_pixels: int | None, log_level: str) -> None:
-    """Serve a workflow over HTTP (OpenAI, rerank and TEI-compatible routes; images too for CLIP and SigLIP).
+    """Serve a workflow over HTTP (OpenAI, rerank and TEI-compatible routes; images too for CLIP and SigLIP), and
+    TEI's gRPC API with --grpc-port.
 
     Exits 0 after SIGINT/SIGTERM (requests in flight are finished first), 1 when it cannot start (one line naming
     the cause: port in use, bad host, broken model folder...; nothing is loaded when the port is taken), and 3 when
@@ -339,7 +342,8 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, api_key
     from wde.server.startup import StartupError
 
     try:
-        config = ServerConfig(workflow=workflow, model=model, host=host, port=port, api_key=api_key,
+        config = ServerConfig(workflow=workflow, model=model, host=host, port=port, grpc_port=grpc_port,
+                              api_key=api_key,
                               served_model_name=served_model_name,
                               overrides=list(overrides) + image_limit_overrides(
                                   max_image_pixels=max_image_pixels, max_image_aspect_ratio=max_image_aspect_ratio,

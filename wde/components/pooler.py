@@ -45,13 +45,21 @@ class Pooled:
             return parts[0]
         rows = {k: _cat_rows([p.rows[k] for p in parts]) for k in parts[0].rows}
         ragged = {}
-        for k in parts[0].ragged:
+        for k in dict.fromkeys(k for p in parts for k in p.ragged):  # a piece where nobody asked has none
+            empty = next(p.ragged[k][0][:0] for p in parts if k in p.ragged)
             bounds = [0]
             for p in parts:
-                offset, b = bounds[-1], p.ragged[k][1]
+                offset, b = bounds[-1], p.ragged[k][1] if k in p.ragged else [0] * (p.num_seqs + 1)
                 bounds.extend(offset + x - b[0] for x in b[1:])
-            ragged[k] = (torch.cat([p.ragged[k][0] for p in parts]), bounds)
+            ragged[k] = (torch.cat([p.ragged[k][0] if k in p.ragged else empty for p in parts]), bounds)
         return Pooled(rows, ragged)
+
+    @property
+    def num_seqs(self) -> int:
+        """How many requests these are the outputs of."""
+        if self.ragged:
+            return len(next(iter(self.ragged.values()))[1]) - 1
+        return len(next(iter(self.rows.values())))
 
 
 def _cat_rows(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -23,12 +23,14 @@ from wde.engine import Engine
 from wde.server import cohere_routes, openai_routes, rerank_routes, score_routes, tei_routes, weaviate_routes
 from wde.server.config import ServerConfig
 from wde.server.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
+from wde.server.grpc import prepare as prepare_grpc
+from wde.server.grpc import serving as serving_grpc
 from wde.server.heap import frozen_heap
 from wde.server.metrics import ServerMetrics
 from wde.server.middleware import (ApiKeyMiddleware, JsonContentTypeMiddleware, MetricsMiddleware, OriginMiddleware,
                                    PayloadLimitMiddleware, RequestIdMiddleware)
 from wde.server.service import ClientDisconnected, Service
-from wde.server.startup import check_metrics_dir, listen, startup_line
+from wde.server.startup import StartupError, check_metrics_dir, listen, startup_line
 from wde.server.timeouts import BodyTimeoutMiddleware, client_gone, http_protocol
 
 _ROUTERS = (openai_routes.router, score_routes.router, rerank_routes.router, cohere_routes.router, tei_routes.router,
@@ -37,7 +39,8 @@ _ROUTERS = (openai_routes.router, score_routes.router, rerank_routes.router, coh
 
 def create_app(engine: Engine | CoreClient, config: ServerConfig | None = None) -> FastAPI:
     """An app serving `engine`: an `Engine` in this process, whose engine thread starts and stops with the app
-    (the caller closes `engine`), or, in an API server of a split engine, the client of the engine core."""
+    (the caller closes `engine`), or, in an API server of a split engine, the client of the engine core. With
+    `config.grpc_port` the app's lifespan also runs TEI's gRPC API on the same engine (wde/server/grpc)."""
     config = config or ServerConfig()
     metrics = ServerMetrics()
     if isinstance(engine, Engine):
@@ -51,7 +54,8 @@ def create_app(engine: Engine | CoreClient, config: ServerConfig | None = None) 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         try:
-            yield
+            async with serving_grpc(app, config, reuse_port=not isinstance(engine, Engine)):
+                yield
         finally:
             async_engine.stop()
 
@@ -117,7 +121,7 @@ def run_server(config: ServerConfig) -> None:
     check_metrics_dir()
     sockets = listen(config.host, config.port)
     try:
-        _serve(config, sockets)
+        _serve(prepare_grpc(config), sockets)
     finally:
         for sock in sockets:
             sock.close()
@@ -154,6 +158,9 @@ def _serve(config: ServerConfig, sockets: list[socket.socket]) -> None:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+        if not server.started:  # the app's start-up failed: uvicorn logged it and returned
+            raise getattr(app.state, "startup_error", None) or StartupError("the server's start-up failed (the log"
+                                                                            " above says why)")
     if fatal:
         raise EngineFailed(f"the engine loop failed repeatedly and the server shut down: {type(fatal[0]).__name__}:"
                            f" {fatal[0]}")

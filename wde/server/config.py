@@ -12,6 +12,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     """Loopback by default: exposing the server is an explicit choice."""
     port: int = 8000
+    grpc_port: int | None = None
+    """Also serve TEI's gRPC API (wde/server/grpc) on this port of `host`; 0: a free one; None: no gRPC."""
     api_key: str | None = None
     served_model_name: str | None = None
     """The name the API answers to, or several comma separated (as vLLM); the first is the one responses show."""
@@ -95,6 +97,7 @@ class ServerConfig:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty: an empty key would turn authentication off; give a key, or none")
         check_limits(self)
+        check_grpc_port(self.grpc_port)
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.allowed_origins:
@@ -162,6 +165,12 @@ def check_limits(config: ServerConfig) -> None:
                 or not (value > 0 if above else value >= 0):
             raise LimitError(name, value, "a number of seconds above 0" if above
                              else "a number of seconds, 0 or more (0: no limit)")
+
+def check_grpc_port(port: int | None) -> None:
+    """`LimitError` for a `grpc_port` that is no TCP port (None, no gRPC, passes)."""
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+        raise LimitError("grpc_port", port, "a TCP port from 0 to 65535 (0: a free one)")
+
 
 BYTES_PER_TOKEN = 16
 """Generous JSON bytes for one token of an input: English text runs at 4 to 6 bytes per token, token ids at up

@@ -43,6 +43,7 @@ from wde.core import wire
 from wde.core.engine_core import EXIT_GAVE_UP
 from wde.restarts import RestartBudget
 from wde.server.api_server import api_server_main, routing_id
+from wde.server.grpc import prepare as prepare_grpc
 from wde.server.heap import frozen_heap
 from wde.server.listeners import SplitListeners
 from wde.server.startup import StartupError
@@ -106,6 +107,7 @@ def run_split_server(config: ServerConfig, api_servers: int) -> int:
         first = listeners.first(api_servers)  # connections made while the model loads wait in these backlogs
         if config.port == 0:  # the port the kernel chose, for the start-up line
             config = dataclasses.replace(config, port=listeners.port)
+        config = prepare_grpc(config)  # every API server serves gRPC on this one port (SO_REUSEPORT)
         resolve(**config.engine_args())  # a bad workflow fails here, by name, before any process starts
         ctx = multiprocessing.get_context("spawn")
         workdir = _workdir()

@@ -42,6 +42,13 @@ async def embed(request: Request) -> JSONResponse:
 
 
 async def _embed(request: Request, raw: Any) -> JSONResponse:
+    vectors, headers = await embed_rows(request, raw)
+    return JSONResponse(vectors, headers=headers)
+
+
+async def embed_rows(request: Request, raw: Any) -> tuple[list[Any], dict[str, str]]:
+    """/embed's answer for a parsed JSON body, before it is written (shared with gRPC's Embed): one vector (or
+    its base64) per input, and TEI's timing headers."""
     svc = service(request)
     body = parse(TeiEmbedRequest, raw)
     svc.require("dense", "/embed")
@@ -51,8 +58,8 @@ async def _embed(request: Request, raw: Any) -> JSONResponse:
     result = await svc.run(request, embed_items(body.inputs), params, "inputs", item_names("inputs", body.inputs))
     vectors = quantize_rows(result.dense, body.embed_dtype, svc.config.quantization_ranges, "embed_dtype")
     if body.encoding_format == "base64":
-        return JSONResponse([to_base64(v) for v in vectors], headers=result.headers)
-    return JSONResponse(vectors, headers=result.headers)
+        return [to_base64(v) for v in vectors], result.headers
+    return vectors, result.headers
 
 
 @router.post("/embed_all", openapi_extra=body_schema(TeiEmbedAllRequest))
@@ -61,7 +68,13 @@ async def embed_all(request: Request) -> JSONResponse:
 
 
 async def _embed_all(request: Request, raw: Any) -> JSONResponse:
-    """Every token's final hidden state (special tokens included), unnormalized: [[[float]]]."""
+    states, headers = await token_states(request, raw)
+    return JSONResponse(states, headers=headers)
+
+
+async def token_states(request: Request, raw: Any) -> tuple[list[np.ndarray], dict[str, str]]:
+    """Every token's final hidden state (special tokens included), unnormalized: one (tokens, dim) array per input
+    (/embed_all writes [[[float]]]; gRPC's EmbedAll shares it), and TEI's timing headers."""
     svc = service(request)
     body = parse(TeiEmbedAllRequest, raw)
     if "token_embeddings" not in svc.supported:
@@ -71,8 +84,8 @@ async def _embed_all(request: Request, raw: Any) -> JSONResponse:
     params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
                            normalize=False, prompt_name=body.prompt_name, outputs=("token_embeddings",))
     result = await svc.run(request, embed_items(body.inputs), params, "inputs", item_names("inputs", body.inputs))
-    return JSONResponse([np.ascontiguousarray(o.outputs["token_embeddings"], dtype=np.float32)
-                         for o in result.outputs], headers=result.headers)
+    return ([np.ascontiguousarray(o.outputs["token_embeddings"], dtype=np.float32) for o in result.outputs],
+            result.headers)
 
 
 @router.post("/similarity", openapi_extra=body_schema(TeiSimilarityRequest))
@@ -103,8 +116,12 @@ async def _similarity(request: Request, raw: Any) -> JSONResponse:
 @router.post("/decode", openapi_extra=body_schema(TeiDecodeRequest))
 async def decode(request: Request) -> JSONResponse:
     """Token ids back to text: one text per id list (a single list gives a one-element answer)."""
-    svc = service(request)
-    body = parse(TeiDecodeRequest, await read_json(request))
+    return JSONResponse(await decoded(service(request), await read_json(request)))
+
+
+async def decoded(svc: Service, raw: Any) -> list[str]:
+    """/decode's answer for a parsed JSON body (shared with gRPC's Decode)."""
+    body = parse(TeiDecodeRequest, raw)
     single = not body.ids or isinstance(body.ids[0], int)
     rows: list[list[int]] = [body.ids] if single else body.ids  # type: ignore[list-item]
     if not rows or any(not row for row in rows):
@@ -114,7 +131,7 @@ async def decode(request: Request) -> JSONResponse:
         raise ApiError("validation", f"batch size {len(rows)} > maximum allowed batch size"
                        f" {svc.config.max_client_batch_size}", "ids")
     names = ["ids"] if single else [f"ids[{i}]" for i in range(len(rows))]
-    return JSONResponse(await svc.decode(rows, body.skip_special_tokens, names))
+    return await svc.decode(rows, body.skip_special_tokens, names)
 
 
 @router.post("/embed_sparse", openapi_extra=body_schema(TeiSparseRequest))
@@ -123,7 +140,13 @@ async def embed_sparse(request: Request) -> JSONResponse:
 
 
 async def _embed_sparse(request: Request, raw: Any) -> JSONResponse:
-    """TEI's sparse answer: per input, `[{index, value}]` sorted by token id."""
+    sparse, headers = await sparse_rows(request, raw)
+    return JSONResponse(sparse, headers=headers)
+
+
+async def sparse_rows(request: Request, raw: Any) -> tuple[list[list[dict]], dict[str, str]]:
+    """TEI's sparse answer: per input, `[{index, value}]` sorted by token id (shared with gRPC's EmbedSparse), and
+    TEI's timing headers."""
     svc = service(request)
     body = parse(TeiSparseRequest, raw)
     svc.require("sparse", "/embed_sparse")
@@ -136,7 +159,7 @@ async def _embed_sparse(request: Request, raw: Any) -> JSONResponse:
     except ValueError:
         raise ApiError("unsupported", "/embed_sparse needs sparse weights keyed by token id; this workflow keys"
                        " them by token text (set output_processor.params.sparse_keys=ids)") from None
-    return JSONResponse(sparse, headers=result.headers)
+    return sparse, result.headers
 
 
 def _predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[Any], list[Any], bool]:
@@ -176,7 +199,13 @@ _FUNCTIONS = {
 
 
 async def _predict(request: Request, raw: Any) -> JSONResponse:
-    """Classifiers answer every label, best first; cross-encoders their single score.
+    content, headers = await predictions(request, raw)
+    return JSONResponse(content, headers=headers)
+
+
+async def predictions(request: Request, raw: Any) -> tuple[list[Any], dict[str, str]]:
+    """/predict's answer (shared with gRPC's Predict) and TEI's timing headers. Classifiers answer every label,
+    best first; cross-encoders their single score.
 
     `raw_scores` gives logits. The Hugging Face Inference API's `parameters` (what huggingface_hub's
     `InferenceClient.text_classification` sends) are honoured: `function_to_apply` (sigmoid, softmax or none,
@@ -195,7 +224,7 @@ async def _predict(request: Request, raw: Any) -> JSONResponse:
                            activation=False if raw_logits else None, outputs=(output,))
     result = await svc.run(request, items, params, "inputs", names)
     labels = svc.labels()
-    predictions = []
+    answers = []
     for o in result.outputs:
         values = np.asarray(o.outputs[output], dtype=np.float64).reshape(-1)
         if function is not None:
@@ -203,10 +232,10 @@ async def _predict(request: Request, raw: Any) -> JSONResponse:
         preds = [{"score": float(s), "label": labels[i] if i < len(labels) else f"LABEL_{i}"}
                  for i, s in enumerate(values.tolist())]
         preds.sort(key=lambda p: -p["score"])
-        predictions.append(preds[:hf.top_k] if hf is not None and hf.top_k else preds)
+        answers.append(preds[:hf.top_k] if hf is not None and hf.top_k else preds)
     if single and hf is None:
-        return JSONResponse(predictions[0], headers=result.headers)
-    return JSONResponse(predictions, headers=result.headers)
+        return answers[0], result.headers
+    return answers, result.headers
 
 
 @router.post("/vertex", openapi_extra=body_schema(VertexRequest))
@@ -250,6 +279,11 @@ async def tokenize(request: Request) -> JSONResponse:
     raw = await read_json(request)
     if vllm_tokenize.is_vllm_body(raw):
         return await vllm_tokenize.tokenize(request, svc, raw, max(TOKENIZE_MAX_TOKENS, svc.info.max_length))
+    return JSONResponse(await tei_tokens(svc, raw))
+
+
+async def tei_tokens(svc: Service, raw: Any) -> list[list[dict]]:
+    """TEI /tokenize's answer for a parsed JSON body (shared with gRPC's Tokenize): each text's tokens."""
     body = parse(TeiTokenizeRequest, raw)
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not texts:
@@ -270,7 +304,7 @@ async def tokenize(request: Request) -> JSONResponse:
     except _TooManyTokens as e:
         raise ApiError("validation", f"inputs: /tokenize answers at most {limit:,} tokens per request and these"
                        f" texts have {e.count:,}; send fewer or shorter texts", "inputs") from None
-    return JSONResponse(tokens)
+    return tokens
 
 
 @router.post("/detokenize", openapi_extra=body_schema(VllmDetokenizeRequest))
@@ -311,9 +345,13 @@ def _model_type(svc: Service) -> dict:
 
 @router.get("/info")
 async def info(request: Request) -> JSONResponse:
-    svc = service(request)
+    return JSONResponse(info_content(service(request)))
+
+
+def info_content(svc: Service) -> dict[str, Any]:
+    """/info's answer (shared with gRPC's Info)."""
     info = svc.info
-    return JSONResponse({
+    return {
         "model_id": svc.model_name,
         "model_sha": None,
         "model_dtype": info.dtype,
@@ -331,7 +369,7 @@ async def info(request: Request) -> JSONResponse:
         "docker_label": None,
         "workflow": info.workflow,
         "outputs": list(info.outputs),
-    })
+    }
 
 
 @router.get("/health")
