@@ -325,6 +325,44 @@ def test_overload_is_resource_exhausted(served: tuple[Client, Any]) -> None:
     assert client.embed.Embed(tei_pb2.EmbedRequest(inputs="a")).embeddings
 
 
+def test_engine_failures_get_tei_s_status(served: tuple[Client, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request timeout is TEI's `Overloaded` on the HTTP TEI routes (503 there), a stopped engine `Unhealthy`:
+    RESOURCE_EXHAUSTED and UNAVAILABLE here. The engine is made to fail at once, whatever the timing."""
+    from wde.async_engine import EngineTimeout, EngineUnavailable
+
+    client, app = served
+    engine = app.state.service.engine
+    for failure, code in ((EngineTimeout("no answer within the request timeout"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+                          (EngineUnavailable("the engine is not running"), grpc.StatusCode.UNAVAILABLE)):
+        async def failing(*args: Any, error: Exception = failure, **kwargs: Any) -> Any:
+            raise error
+
+        monkeypatch.setattr(engine, "encode", failing)
+        error = refused(client.embed.Embed, tei_pb2.EmbedRequest(inputs="a"))
+        assert error.code() == code and str(failure) in error.details()
+        monkeypatch.undo()
+    assert client.embed.Embed(tei_pb2.EmbedRequest(inputs="a")).embeddings
+
+
+def test_every_api_error_kind_has_a_tei_status() -> None:
+    from wde.server.errors import STATUS, ApiError
+    from wde.server.grpc.calls import status_of
+
+    codes = {kind: status_of(ApiError(kind, "x")) for kind in STATUS}  # type: ignore[arg-type]
+    assert codes["empty"] == codes["too_long"] == codes["validation"] == grpc.StatusCode.INVALID_ARGUMENT
+    assert codes["unsupported"] == codes["backend"] == grpc.StatusCode.FAILED_PRECONDITION
+    assert codes["overloaded"] == codes["timeout"] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert codes["unhealthy"] == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_field_tei_proto_does_not_declare_is_refused_by_number(client: Client) -> None:
+    raw = client.channel.unary_unary("/tei.v1.Embed/Embed", response_deserializer=tei_pb2.EmbedResponse.FromString)
+    newer = tei_pb2.EmbedRequest(inputs="a").SerializeToString() + bytes([15 << 3, 1])  # field 15 = 1 (varint)
+    error = refused(raw, newer)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "field number(s) 15" in error.details()
+    assert client.embed.Embed(tei_pb2.EmbedRequest(inputs="a")).embeddings
+
+
 def test_api_key_and_message_size(tiny_bert: Path) -> None:
     with Engine.from_workflow("bert", tiny_bert, overrides=["pooler.params.pooling=mean"]) as engine, \
             grpc_server(engine, api_key="secret", payload_limit=50_000) as client:

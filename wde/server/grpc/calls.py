@@ -10,6 +10,7 @@ from typing import Any, Awaitable, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 from starlette.requests import Request
 
 from wde.server.errors import ApiError, error_body
@@ -56,7 +57,12 @@ def route_request(app: Any, path: str) -> Request:
 def body_of(message: Message) -> dict[str, Any]:
     """A TEI request message as the JSON body of the same HTTP route (TEI's proto fields are named as its JSON
     fields): every field, except a proto3 `optional` one left unset, which the route's own default then fills
-    (`normalize`, `prompt_name`, `dimensions`); the truncation enum as its JSON string."""
+    (`normalize`, `prompt_name`, `dimensions`); the truncation enum as its JSON string. A field this tei.proto does
+    not declare (a client built on a newer one) is refused by its number rather than dropped unread."""
+    unknown = sorted({f.field_number for f in UnknownFieldSet(message)})
+    if unknown:
+        raise ApiError("validation", f"{message.DESCRIPTOR.full_name} has field number(s)"
+                       f" {', '.join(map(str, unknown))}, which TEI's tei.proto served here does not declare")
     body: dict[str, Any] = {}
     for field in message.DESCRIPTOR.fields:
         name = field.name
