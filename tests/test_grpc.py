@@ -23,7 +23,7 @@ import pytest
 grpc = pytest.importorskip("grpc")
 
 from tests import tiny_heads  # noqa: E402
-from tests.test_server import REPO, free_port, serve, serve_split  # noqa: E402
+from tests.test_server import REPO, free_port, serve, serve_split, stop_server, wait_healthy  # noqa: E402
 from wde import Engine  # noqa: E402
 from wde.server.grpc import tei_pb2, tei_pb2_grpc  # noqa: E402
 
@@ -389,6 +389,23 @@ def test_grpc_port_without_grpcio_fails_in_one_line() -> None:
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'wde[grpc]'" in lines[0], done.stderr
+
+
+def test_wde_serve_grpc_port_0_names_its_port_and_stops_cleanly(tiny_bert: Path, tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "wde.cli", "serve", "--model", str(tiny_bert), "--set",
+                                 "pooler.params.pooling=mean", "--port", str(free_port()), "--grpc-port", "0",
+                                 "--api-servers", "0"], stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        wait_healthy(f"http://127.0.0.1:{proc.args[proc.args.index('--port') + 1]}", lambda: proc.poll() is None)
+        (port,) = re.findall(r"and TEI's gRPC API at 127\.0\.0\.1:(\d+)", log.read_text())
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            info = tei_pb2_grpc.InfoStub(channel).Info(tei_pb2.InfoRequest())
+        assert info.model_type == tei_pb2.MODEL_TYPE_EMBEDDING
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 0, log.read_text()
 
 
 def test_grpc_port_in_use_fails_in_one_line() -> None:

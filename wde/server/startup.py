@@ -24,13 +24,16 @@ def address(host: str, port: int) -> str:
 
 
 def startup_line(config: ServerConfig, info: EngineInfo, model_names: tuple[str, ...], api_servers: int = 0) -> str:
-    """`serving <model> (API names: ...) with workflow <w> on <device> (<dtype>) at http://host:port`, and how
-    many API-server processes front the engine core when it runs in its own process."""
+    """`serving <model> (API names: ...) with workflow <w> on <device> (<dtype>) at http://host:port`, where TEI's
+    gRPC API listens too (`--grpc-port`), and how many API-server processes front the engine core when it runs in
+    its own process."""
     model = config.model or model_names[0]
     names = ", ".join(model_names)
+    grpc = "" if config.grpc_port is None else \
+        f" and TEI's gRPC API at {address(config.host, config.grpc_port).removeprefix('http://')}"
     split = f" through {api_servers} API-server processes" if api_servers else ""
     return (f"serving model {model} (API names: {names}) with workflow {info.workflow} on {info.device}"
-            f" ({info.dtype}) at {address(config.host, config.port)}{split}")
+            f" ({info.dtype}) at {address(config.host, config.port)}{grpc}{split}")
 
 
 class StartupError(Exception):

@@ -102,7 +102,6 @@ async def refuse(context: grpc.aio.ServicerContext, error: BaseException) -> NoR
     log.error("a gRPC call failed (request id grpc-%s)", rid, exc_info=error)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id grpc-{rid}); the server log has the"
                         " details")
-    raise AssertionError("abort returns only by raising")
 
 
 async def answer(context: grpc.aio.ServicerContext, work: Awaitable[tuple[T, dict[str, str] | None]]) -> T:

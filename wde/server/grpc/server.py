@@ -6,7 +6,6 @@ request timeout, batch and length limits are the TEI routes' own, which every me
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import grpc
@@ -17,8 +16,6 @@ from wde.server.grpc.auth import ApiKeyInterceptor
 from wde.server.grpc.servicers import TeiServicer
 from wde.server.startup import StartupError
 
-log = logging.getLogger("wde.server")
-
 STOP_GRACE_S = 30.0
 """How long calls in flight get to finish when the server stops (as an API server's requests, processes.py)."""
 
@@ -28,9 +25,10 @@ _ADD = (tei_pb2_grpc.add_InfoServicer_to_server, tei_pb2_grpc.add_EmbedServicer_
 
 
 async def start(app: Any, config: ServerConfig, reuse_port: bool) -> grpc.aio.Server:
-    """The started server of `app` on `config.host`:`config.grpc_port` (`StartupError` when it cannot bind).
-    `reuse_port` lets the API servers of a split server bind the one port (the kernel spreads connections over
-    them); without it a port someone else holds is refused, as the HTTP port is."""
+    """The started server of `app` on `config.host`:`config.grpc_port`, the port it got in `app.state.grpc_port`
+    (the kernel's choice for 0); `StartupError` when it cannot bind. `reuse_port` lets the API servers of a split
+    server bind the one port (the kernel spreads connections over them); without it a port someone else holds is
+    refused, as the HTTP port is."""
     service = app.state.service
     limit = config.effective_payload_limit(service.info.max_length, service.max_image_bytes)
     options = [("grpc.so_reuseport", int(reuse_port)), ("grpc.max_receive_message_length", limit)]
@@ -40,12 +38,10 @@ async def start(app: Any, config: ServerConfig, reuse_port: bool) -> grpc.aio.Se
     servicer = TeiServicer(app)
     for add in _ADD:
         add(servicer, server)
-    where = f"[{config.host}]:{config.grpc_port}" if ":" in config.host else f"{config.host}:{config.grpc_port}"
+    host = f"[{config.host}]" if ":" in config.host else config.host
     try:
-        port = server.add_insecure_port(where)
+        app.state.grpc_port = server.add_insecure_port(f"{host}:{config.grpc_port}")
     except RuntimeError as e:
-        raise StartupError(f"--grpc-port: cannot listen on {where} ({e})") from None
+        raise StartupError(f"--grpc-port: cannot listen on {host}:{config.grpc_port} ({e})") from None
     await server.start()
-    app.state.grpc_port = port
-    log.info("serving TEI's gRPC API (tei.proto) at %s", where.rsplit(":", 1)[0] + f":{port}")
     return server
