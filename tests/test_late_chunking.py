@@ -190,6 +190,13 @@ def test_truncation_chunks_only_the_kept_text(minilm_engine: Engine, st_minilm) 
     with pytest.raises(RequestError, match="covers no token") as e:
         minilm_engine.late_chunk(long_text, [(0, 5), (len(long_text) - 5, len(long_text))], truncate=True)
     assert e.value.field == "spans[1]"
+    left = minilm_engine.late_chunk(long_text, truncate=True, truncation_direction="left")
+    assert left[-1].text == "Sentence number 119 is here." and left[-1].token_range[1] == minilm_engine.max_length - 1
+    st_minilm.tokenizer.truncation_side = "left"
+    try:
+        assert_close(left, reference(st_minilm, long_text, [c.token_range for c in left]))
+    finally:
+        st_minilm.tokenizer.truncation_side = "right"
 
 
 @pytest.mark.parametrize("kwargs, field", [

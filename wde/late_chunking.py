@@ -170,6 +170,9 @@ def prepare(tokenizer: Any, input_processor: Any, text: str, params: PoolingPara
     cap = limit if params.max_tokens is None else min(limit, params.max_tokens)
     truncate = params.truncate or params.max_tokens is not None
     ids, offsets = _tokenize(tokenizer, prompt.text, cap if truncate else None, params.truncation_direction)
+    if truncate and len(ids) > cap:
+        raise RequestError(f"{field} cannot be truncated to {cap} tokens: it keeps {len(ids)}, the model's special"
+                           " tokens and the instruction prompt's included", field, kind="too_long")
     # the text's tokens: not special, with characters, after the prompt; their spans in the text's characters
     content = [(i, a - shift, b - shift) for i, (a, b) in enumerate(offsets) if b > a and b > shift]
     if spans is not None:
