@@ -69,7 +69,7 @@ class AsyncEngine:
                  on_batch: Callable[[BatchStats], None] | None = None, *, max_restarts: int = 5,
                  restart_window_s: float = 60.0, on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
-        self.info = EngineInfo.of(engine)
+        self.info: EngineInfo = engine.info
         self.tokenizer = engine.tokenizer
         self.input_processor = engine.input_processor
         self.max_concurrent_requests = max_concurrent_requests

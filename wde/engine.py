@@ -25,6 +25,7 @@ from wde.components.base import COMPONENT_KINDS, BuildContext
 from wde.chunking import ChunkMerger
 from wde.components.pooler import ChunkedPooling, Pooled, SpanPooling
 from wde.components.scheduler import SchedulerOutput
+from wde.engine_info import EngineInfo
 from wde.errors import ModelLoadError, RequestError, internal_error, one_line
 from wde.late_chunking import Document, LateChunk, check_spans, join, prepare, refuse_spans
 from wde.model_source import ModelSource
@@ -121,28 +122,59 @@ def resolve(workflow: str | Path | None = None, model: str | Path | None = None,
     return resolved, source
 
 
-def check_params(params: PoolingParams | None, workflow: str, outputs: Sequence[str], dense_size: int | None,
-                 chunkable: bool, span_pooling: bool = False) -> None:
-    """Refuse request params the workflow cannot honour (an output it does not produce, too many dimensions,
-    chunked processing where the pooler has no `ChunkedPooling` or for an output other than 'dense', spans where
-    it is no `SpanPooling` or with truncation or chunking: `refuse_spans`)."""
-    if params is not None and params.spans is not None:
-        refuse_spans(params, span_pooling and "dense" in outputs, workflow)
-    if params is not None and params.chunk and not params.truncate and params.max_tokens is None:
+def check_params(params: PoolingParams | None, info: EngineInfo) -> None:
+    """Refuse request params the workflow (`info`) cannot honour: an output it does not produce, too many
+    dimensions, chunked processing where the pooler has no `ChunkedPooling` or for an output other than 'dense',
+    spans where it is no `SpanPooling` or with truncation or chunking (`refuse_spans`), an option no component
+    declares (`check_options`)."""
+    if params is None:
+        return
+    workflow, outputs, dense_size, chunkable = info.workflow, info.outputs, info.dense_size, info.chunkable
+    if params.options:
+        check_options(params.options, info.options, workflow)
+    if params.spans is not None:
+        refuse_spans(params, info.span_pooling and "dense" in outputs, workflow)
+    if params.chunk and not params.truncate and params.max_tokens is None:
         others = [o for o in (params.outputs or ("dense",)) if o != "dense"]
         if not chunkable or "dense" not in outputs or others:
             what = f"outputs {others}" if others and chunkable else f"workflow {workflow!r}"
             raise RequestError(f"chunked processing of long inputs (chunk) gives dense embeddings only, and {what}"
                                " cannot be chunked; send truncate=true or shorter inputs", "chunk")
-    if params is not None and params.outputs is not None:
+    if params.outputs is not None:
         unknown = [o for o in params.outputs if o not in outputs]
         if unknown:
             raise RequestError(f"outputs {unknown} are not produced by workflow {workflow!r};"
                                f" it produces {list(outputs)}", "outputs")
-    if params is not None and params.dimensions is not None and dense_size is not None \
-            and params.dimensions > dense_size:
+    if params.dimensions is not None and dense_size is not None and params.dimensions > dense_size:
         raise RequestError(f"dimensions={params.dimensions} is larger than the model's embedding size"
                            f" {dense_size}", "dimensions")
+
+
+def check_options(options: Mapping[str, str], declared: Mapping[str, tuple[str, ...]], workflow: str) -> None:
+    """Refuse a per-request option (`PoolingParams.options`) that no component declares, or a value it does not
+    take, naming `options.NAME` and what the workflow takes."""
+    for name, value in options.items():
+        if name not in declared:
+            takes = f"it takes {', '.join(sorted(declared))}" if declared else "it takes none"
+            raise RequestError(f"option {name!r} is not an option of workflow {workflow!r}; {takes}",
+                               f"options.{name}")
+        if value not in declared[name]:
+            raise RequestError(f"option {name}={value!r} is not one workflow {workflow!r} takes; give one of"
+                               f" {', '.join(declared[name])}", f"options.{name}")
+
+
+def declared_options(components: Mapping[str, Any], workflow: str) -> dict[str, tuple[str, ...]]:
+    """Every per-request option the components declare (`Component.request_options`), with its values; two
+    components reading one option must agree on its values (else the workflow cannot be built)."""
+    declared: dict[str, tuple[str, ...]] = {}
+    owner: dict[str, str] = {}
+    for kind, component in components.items():
+        for name, values in component.request_options().items():
+            if name in declared and declared[name] != tuple(values):
+                raise ModelLoadError(f"workflow {workflow!r}: {owner[name]} and {kind} declare option {name!r} with"
+                                     f" different values ({list(declared[name])} and {list(values)})")
+            declared[name], owner[name] = tuple(values), kind
+    return declared
 
 
 class Engine:
@@ -180,6 +212,10 @@ class Engine:
         self._chunks = ChunkMerger(ctx.pooler.finish_chunks if self.chunkable else None)
         self.span_pooling: bool = isinstance(ctx.pooler, SpanPooling) and ctx.pooler.pools_spans()
         """Whether token spans of an input may be pooled (`PoolingParams.spans`, late chunking: `late_chunk`)."""
+        self.request_options: dict[str, tuple[str, ...]] = declared_options(self.components, workflow.name)
+        """The per-request options this workflow takes (`PoolingParams.options`), each with its values."""
+        self.info: EngineInfo = EngineInfo.of(self)
+        """What the API needs to know about this engine, as plain data (also what requests are checked against)."""
         self.on_batch: Callable[[BatchStats], None] | None = None
         """Called (on the thread running `step`) after each finished batch; the server's metrics use it."""
         self._ids = itertools.count()
@@ -255,8 +291,7 @@ class Engine:
         Raises `RequestError` naming the field, e.g. for an output this workflow does not produce. `field` is
         how errors name the input (a pair may name each side: ``("query", "documents[3]")``).
         """
-        check_params(params, self.workflow.name, self.supported_outputs, self.dense_size, self.chunkable,
-                     self.span_pooling)
+        check_params(params, self.info)
         request = self.input_processor.process(request_id or f"req-{next(self._ids)}", inputs, params, field=field)
         check_spans(request)
         return request

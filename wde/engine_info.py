@@ -3,7 +3,7 @@ with an engine core in its own process (`wde serve --api-servers N`) the core se
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -36,6 +36,8 @@ class EngineInfo:
     """Whether long inputs may be embedded in chunks (`PoolingParams.chunk`: the pooler is a `ChunkedPooling`)."""
     span_pooling: bool = False
     """Whether token spans of an input may be pooled (`PoolingParams.spans`, late chunking: a `SpanPooling`)."""
+    options: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """The per-request options the workflow takes (`PoolingParams.options`), each with its values, default first."""
 
     @classmethod
     def of(cls, engine: "Engine") -> "EngineInfo":
@@ -62,4 +64,5 @@ class EngineInfo:
             device=str(param.device) if param is not None else "cpu",
             chunkable=engine.chunkable,
             span_pooling=engine.span_pooling,
+            options=dict(engine.request_options),
         )

@@ -79,6 +79,14 @@ class PoolingParams:
     one row per span). Needs a pooler that is a `SpanPooling` and the input as token ids; not with a pair,
     `chunk`, `truncate` or `max_tokens` (the spans index the tokens as given). `Engine.late_chunk` makes them
     from character spans or a chunker."""
+    options: dict[str, str] | None = None
+    """Per-request options a workflow's components declare (`Component.request_options`), e.g. {"task": "query"}
+    for a late-interaction model's query side: each reaches every component, which reads it with `option`. A name
+    or value no component of the workflow declares is refused (a 4xx naming `options.NAME`), never ignored."""
+
+    def option(self, name: str, default: str) -> str:
+        """The request's value of option `name`, or `default` (the declaring component's) when it gives none."""
+        return default if not self.options else self.options.get(name, default)
 
 
 @dataclass

@@ -47,6 +47,12 @@ class Component:
     def __init__(self, params: Params, ctx: "BuildContext") -> None:
         self.params = params
 
+    def request_options(self) -> dict[str, tuple[str, ...]]:
+        """The per-request options this component reads (`PoolingParams.options`, with `PoolingParams.option`),
+        each with the values it takes, the default first. The engine accepts an option only where a component
+        declares it; components that read the same option must declare the same values. None by default."""
+        return {}
+
 
 @dataclass
 class BuildContext:

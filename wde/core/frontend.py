@@ -41,8 +41,7 @@ class Frontend:
     def make_request(self, inputs: Any, params: PoolingParams, request_id: str,
                      field: str | tuple[str, str]) -> Request:
         """`Engine.make_request`, on this side of the split: raises `RequestError` naming the field."""
-        check_params(params, self.info.workflow, self.info.outputs, self.info.dense_size,
-                     self.info.chunkable, self.info.span_pooling)
+        check_params(params, self.info)
         request = self.input_processor.process(request_id, inputs, params, field=field)
         check_spans(request)
         return request

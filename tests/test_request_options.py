@@ -1,0 +1,123 @@
+"""Per-request options (`PoolingParams.options`, issue 35's first seam): components declare the options they read
+(`Component.request_options`), the engine takes exactly those, and every request's options reach every component.
+
+The components here are the smallest real consumers: an input processor that prefixes a text by its `task`, and a
+request processor that reads the same option to cap the tokens of a query. Both are registered as a plugin would
+register them; the built-in late-interaction workflows are the core's own consumers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from wde import Engine
+from wde.components.input_processor import TextInputProcessor
+from wde.components.request_processor import LazyTokenizeRequestProcessor
+from wde.core.frontend import Frontend
+from wde.engine import resolve
+from wde.errors import ModelLoadError, RequestError
+from wde.registry import get_registry
+from wde.request import PoolingParams
+
+QUERY_TOKENS = 8
+
+
+class TaskPrefix(TextInputProcessor):
+    """Prefixes a text with "query: " for `task=query` (the default task, `document`, leaves it as it is)."""
+
+    name = "test_task_prefix"
+
+    def request_options(self) -> dict[str, tuple[str, ...]]:
+        return {"task": ("document", "query")}
+
+    def to_prompt(self, inputs, params, field):  # noqa: ANN001, ANN201
+        if params.option("task", "document") == "query" and isinstance(inputs, str):
+            inputs = "query: " + inputs
+        return super().to_prompt(inputs, params, field)
+
+
+class QueryCap(LazyTokenizeRequestProcessor):
+    """Truncates queries to `QUERY_TOKENS` tokens, as a late-interaction model's `query_length` does."""
+
+    name = "test_query_cap"
+
+    def request_options(self) -> dict[str, tuple[str, ...]]:
+        return {"task": ("document", "query")}
+
+    def process(self, requests, token_budget):  # noqa: ANN001, ANN201
+        from dataclasses import replace
+
+        for r in requests:
+            if r.params.option("task", "document") == "query":
+                r.params = replace(r.params, truncate=True, max_tokens=QUERY_TOKENS)
+        return super().process(requests, token_budget)
+
+
+class Disagrees(LazyTokenizeRequestProcessor):
+    name = "test_task_disagrees"
+
+    def request_options(self) -> dict[str, tuple[str, ...]]:
+        return {"task": ("query", "passage")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered() -> None:
+    registry = get_registry()
+    for component in (TaskPrefix, QueryCap, Disagrees):
+        if component.name not in registry.components.get(component.kind, {}):
+            registry.add_component(component, plugin="tests.test_request_options")
+
+
+OVERRIDES = ["input_processor.name=test_task_prefix", "request_processor.name=test_query_cap"]
+TEXT = "what is the capital of france and why is it paris"
+
+
+@pytest.fixture(scope="module")
+def engine(minilm_path: Path):
+    with Engine.from_workflow("bert", minilm_path, overrides=OVERRIDES) as e:
+        yield e
+
+
+def test_options_reach_every_component_that_reads_them(engine: Engine, minilm_engine: Engine) -> None:
+    assert engine.request_options == {"task": ("document", "query")} == engine.info.options
+    document, = engine.encode([TEXT])
+    query, = engine.encode([TEXT], PoolingParams(options={"task": "query"}))
+    explicit, = engine.encode([TEXT], PoolingParams(options={"task": "document"}))
+    assert np.abs(document.outputs["dense"] - minilm_engine.embed(TEXT)).max() <= 1e-6
+    assert np.abs(explicit.outputs["dense"] - document.outputs["dense"]).max() == 0
+    assert query.num_prompt_tokens == QUERY_TOKENS  # the request processor read it
+    capped, = minilm_engine.encode(["query: " + TEXT], PoolingParams(max_tokens=QUERY_TOKENS))  # so did the input one
+    assert np.abs(query.outputs["dense"] - capped.outputs["dense"]).max() <= 1e-6
+
+
+def test_an_option_no_component_declares_is_refused_by_name(engine: Engine, minilm_engine: Engine) -> None:
+    with pytest.raises(RequestError, match=r"option 'mode' is not an option of workflow 'bert'; it takes task") as e:
+        engine.encode([TEXT], PoolingParams(options={"mode": "query"}))
+    assert e.value.field == "options.mode"
+    with pytest.raises(RequestError, match=r"option task='passage' .* give one of document, query") as e:
+        engine.encode([TEXT], PoolingParams(options={"task": "passage"}))
+    assert e.value.field == "options.task"
+    with pytest.raises(RequestError, match="it takes none"):
+        minilm_engine.encode([TEXT], PoolingParams(options={"task": "query"}))
+
+
+def test_components_that_read_one_option_must_agree(minilm_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="input_processor and request_processor declare option 'task' with"
+                                             " different values"):
+        Engine.from_workflow("bert", minilm_path, overrides=["input_processor.name=test_task_prefix",
+                                                             "request_processor.name=test_task_disagrees"])
+
+
+def test_a_split_api_server_checks_options_as_the_engine_does(engine: Engine, minilm_path: Path) -> None:
+    """The API server of a split engine validates with the core's EngineInfo, and its own input processor reads
+    the option (the core receives token ids)."""
+    workflow, source = resolve("bert", minilm_path, overrides=OVERRIDES)
+    frontend = Frontend(workflow, source, engine.info)
+    with pytest.raises(RequestError, match="not an option") as e:
+        frontend.make_request(TEXT, PoolingParams(options={"mode": "x"}), "r1", "input")
+    assert e.value.field == "options.mode"
+    request = frontend.make_request(TEXT, PoolingParams(options={"task": "query"}), "r2", "input")
+    assert request.prompt.text == "query: " + TEXT
