@@ -86,8 +86,9 @@ def assert_close(chunks: list[LateChunk], expected: np.ndarray) -> None:
 def test_sentences_chunker_finds_sentence_spans() -> None:
     assert [TEXT[a:b] for a, b in sentences(TEXT)] == SENTENCES
     assert sentences("  no end  ") == [(2, 8)]
-    assert sentences('He said "stop." Then left.\nA line. 句子一。句子二') == [(0, 15), (16, 26), (27, 34), (35, 39),
-                                                                        (39, 42)]
+    text = 'He said "stop." Then left.\nA line. 句子一。句子二'
+    assert [text[a:b] for a, b in sentences(text)] == ['He said "stop."', "Then left.", "A line.", "句子一。",
+                                                       "句子二"]
     assert sentences(" \n\n ") == []
 
 
@@ -138,6 +139,15 @@ def test_jinas_shape_chunks_are_the_texts_joined(minilm_engine: Engine, st_minil
     assert 0.5 < float(chunks[1].vector @ alone) < 0.9999  # the context changed it
 
 
+def test_an_instruction_prompt_is_encoded_but_in_no_chunk(minilm_path: Path, st_minilm) -> None:
+    """`prompt_name`: the prompt is encoded before the text, as for `embed`; character ranges stay the text's."""
+    with Engine.from_workflow("bert", minilm_path,
+                              overrides=['input_processor.params.prompts={"query": "query: "}']) as engine:
+        chunks = engine.late_chunk(TEXT, prompt_name="query")
+    assert [c.text for c in chunks] == SENTENCES and chunks[0].token_range[0] == 3  # [CLS] query :
+    assert_close(chunks, reference(st_minilm, "query: " + TEXT, [c.token_range for c in chunks]))
+
+
 def test_spans_on_token_ids_in_a_mixed_batch(minilm_engine: Engine, st_minilm) -> None:
     """`PoolingParams.spans` on token ids, batched with requests without spans and with other dimensions: every
     request gets what it would alone."""
@@ -184,7 +194,8 @@ def test_truncation_chunks_only_the_kept_text(minilm_engine: Engine, st_minilm) 
     chunks = minilm_engine.late_chunk(long_text, truncate=True)
     assert chunks[-1].token_range[1] <= minilm_engine.max_length - 1
     assert [c.text for c in chunks[:2]] == ["Sentence number 0 is here.", "Sentence number 1 is here."]
-    kept = st_minilm.tokenizer.decode(st_minilm.tokenizer(long_text, truncation=True, max_length=256)["input_ids"][1:-1])
+    kept_ids = st_minilm.tokenizer(long_text, truncation=True, max_length=256)["input_ids"]
+    kept = st_minilm.tokenizer.decode(kept_ids[1:-1])
     assert kept.startswith(" ".join(c.text.lower() for c in chunks[:-1]))
     assert_close(chunks, reference(st_minilm, long_text, [c.token_range for c in chunks]))
     with pytest.raises(RequestError, match="covers no token") as e:
@@ -206,6 +217,7 @@ def test_truncation_chunks_only_the_kept_text(minilm_engine: Engine, st_minilm) 
     ({"spans": [(-1, 3)]}, "spans[0]"),
     ({"spans": [(0, 1.5)]}, "spans[0]"),
     ({"spans": [(50, 51)]}, "spans[0]"),  # a space: no token
+    ({"spans": [(0, 5)] * 100}, "spans"),  # more spans than the text's tokens
     ({"spans": [(0, 5)], "chunker": "sentences"}, "chunker"),
     ({"chunker": "paragraphs"}, "chunker"),
     ({"chunk_tokens": 5}, "chunk_tokens"),

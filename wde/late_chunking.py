@@ -173,6 +173,8 @@ def prepare(tokenizer: Any, input_processor: Any, text: str, params: PoolingPara
     if truncate and len(ids) > cap:
         raise RequestError(f"{field} cannot be truncated to {cap} tokens: it keeps {len(ids)}, the model's special"
                            " tokens and the instruction prompt's included", field, kind="too_long")
+    if spans is not None and len(spans) > len(ids):
+        raise RequestError(f"spans has {len(spans)} ranges, more than the input's {len(ids)} tokens", "spans")
     # the text's tokens: not special, with characters, after the prompt; their spans in the text's characters
     content = [(i, a - shift, b - shift) for i, (a, b) in enumerate(offsets) if b > a and b > shift]
     if spans is not None:
@@ -191,14 +193,13 @@ def prepare(tokenizer: Any, input_processor: Any, text: str, params: PoolingPara
         token_ranges = _token_ranges(content, char_ranges, names if spans is not None else None)
     if not token_ranges:
         raise RequestError(f"{field} has no text to chunk (no token but special ones)", field)
-    if len(token_ranges) > len(ids):
-        raise RequestError(f"{len(token_ranges)} chunks, more than the input's {len(ids)} tokens", "spans")
     submitted = replace(params, truncate=False, max_tokens=None, prompt_name=None, prompt=None, chunk=False,
                         max_embed_len=None, spans=tuple(token_ranges))
     return Document(text, tuple(ids), tuple(char_ranges), tuple(token_ranges), submitted)
 
 
-def _tokenize(tokenizer: Any, text: str, max_length: int | None, direction: str) -> tuple[list[int], list[tuple[int, int]]]:
+def _tokenize(tokenizer: Any, text: str, max_length: int | None,
+              direction: str) -> tuple[list[int], list[tuple[int, int]]]:
     """The token ids the engine makes of `text` (as `HFTokenizer.encode` does: special tokens, truncation to
     `max_length`, the EOS its `add_eos` appends) and each token's character offsets ((0, 0) for special tokens)."""
     hf = tokenizer.hf_tokenizer if isinstance(tokenizer, HFTokenizer) else None
