@@ -12,6 +12,9 @@ to the scaled scores before the online softmax.
 
 An optional local-attention window (left, right) limits each query to the keys within `left` before and `right`
 after it: a program streams only the key blocks its rows can reach, so the work is O(length x window).
+
+An optional key mask (boolean [T], True where a token may be attended to) is read per key block alongside the
+keys: masked keys get -inf before the softmax, as out-of-range keys do. A query left with no key outputs zeros.
 """
 
 from __future__ import annotations
@@ -34,12 +37,12 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 @triton.jit
 def _varlen_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr, key_mask_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_bs, stride_bh, stride_bm, stride_bn,
     qk_scale, head_dim, group, win_left, win_right,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0)
@@ -94,6 +97,8 @@ def _varlen_fwd_kernel(
             keep = keep & (cols[None, :] <= offs_m[:, None])
         if HAS_WINDOW:
             keep = keep & (cols[None, :] >= offs_m[:, None] - win_left) & (cols[None, :] <= offs_m[:, None] + win_right)
+        if HAS_KEY_MASK:
+            keep = keep & (tl.load(key_mask_ptr + seq_start + cols, mask=n_valid, other=0) != 0)[None, :]
         s = tl.where(keep, s, float("-inf"))
         # Rows past seq_len see no valid key; a finite floor keeps their exp2 at 0 instead of NaN.
         m_new = tl.maximum(tl.maximum(m_i, tl.max(s, 1)), -1e30)
@@ -107,6 +112,8 @@ def _varlen_fwd_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    if HAS_KEY_MASK:  # a row whose every key is masked has acc 0 and l_i 0: divide by 1 to output zeros, not NaN
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(o_ptr + q_rows * stride_ot + head * stride_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=m_valid[:, None] & d_valid[None, :])
@@ -143,14 +150,23 @@ def _check_bias(bias: torch.Tensor, q: torch.Tensor, num_seqs: int, max_seqlen: 
     check_device(INTERPRETED, q, bias)
 
 
+def _check_key_mask(key_mask: torch.Tensor, q: torch.Tensor) -> None:
+    if key_mask.dtype != torch.bool or key_mask.dim() != 1 or key_mask.shape[0] != q.shape[0]:
+        raise ValueError(f"key_mask must be a boolean [{q.shape[0]}] tensor, got {key_mask.dtype}"
+                         f" {tuple(key_mask.shape)}")
+    check_device(INTERPRETED, q, key_mask)
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                      max_seqlen: int, causal: bool, scale: float | None = None,
-                     bias: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, window: tuple[int, int] | None = None,
+                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of packed q [T, Hq, D] over k/v [T, Hkv, D]; returns [T, Hq, D] in q's dtype.
 
     `bias`, if given, is added to the scaled scores: `[Hq, L, L]` shared by every sequence or
     `[num_seqs, Hq, L, L]`, with L >= max_seqlen and positions counted within each sequence. `window`, if given,
-    is (left, right): the query at position i attends only the keys at i - left .. i + right.
+    is (left, right): the query at position i attends only the keys at i - left .. i + right. `key_mask`, if given,
+    is boolean [T]: False marks a key no query attends; a query left with no key outputs zeros.
 
     Inputs may be strided views (e.g. slices of a fused qkv projection) as long as the last dim is contiguous.
     fp32 inputs use IEEE-precision dots (no TF32) so results match a float32 reference. Triton's interpreter
@@ -168,6 +184,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         strides = (bias.stride(0) if bias.dim() == 4 else 0, *bias.stride()[-3:])
     else:
         strides = (0, 0, 0, 0)
+    if key_mask is not None:
+        _check_key_mask(key_mask, q)
+        key_mask = key_mask.contiguous().view(torch.uint8)  # no copy: bool and uint8 share a layout
     if window is not None and (len(window) != 2 or min(window) < 0):
         raise ValueError(f"window must be (left, right) with both >= 0, got {window!r}")
     scale = d ** -0.5 if scale is None else scale
@@ -178,11 +197,13 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     block_n = 32 if q.dtype == torch.float32 and block_d > 64 else block
     grid = (math.ceil(max_seqlen / block), num_seqs, hq)
     _varlen_fwd_kernel[grid](
-        q, k, v, out, cu_seqlens, q if bias is None else bias,
+        q, k, v, out, cu_seqlens, q if bias is None else bias, q if key_mask is None else key_mask,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         *strides,
         scale * LOG2E, d, hq // k.shape[1], *(window or (0, 0)),
-        CAUSAL=bool(causal), HAS_BIAS=bias is not None, HAS_WINDOW=window is not None, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+        CAUSAL=bool(causal), HAS_BIAS=bias is not None, HAS_WINDOW=window is not None,
+        HAS_KEY_MASK=key_mask is not None, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+        UPCAST=upcast,
         BLOCK_M=block, BLOCK_N=min(block, block_n), BLOCK_D=block_d,
         num_warps=4 if block_d <= 64 else 8,
     )

@@ -58,6 +58,7 @@ _PUBLIC: dict[str, str] = {
     "Window": "wde.components.attention.base",
     "check_window": "wde.components.attention.base",
     "window_keys": "wde.components.attention.base",
+    "check_key_mask": "wde.components.attention.base",
     # models and their building blocks
     "PrefillModel": "wde.components.models.base",
     "ModelParams": "wde.components.params",

@@ -35,6 +35,13 @@ class ModelInput:
     image_mask: list[bool] | None = None
     """Multimodal batches only: whether sequence i is an image (its `input_ids` are placeholders then, and its
     pixels are row `sum(image_mask[:i])` of `pixel_values`); None: every sequence is text."""
+    key_mask: torch.Tensor | None = None
+    """Boolean [tokens], packed like `input_ids`: True where a token may be attended to (a key every query of its
+    sequence may read), False for a key no query reads (ColBERT's query-expansion [MASK] tokens with `attend:
+    false`), which still gets an output of its own. None: every token may be attended. Set by an input builder
+    from per-request information; attention backends with `supports_key_mask` honour it on their packed path (no
+    dense [L, L] bias), the others refuse the batch. A query left with no key to attend outputs zeros from
+    attention."""
 
     @property
     def num_seqs(self) -> int:
@@ -49,7 +56,7 @@ class ModelInput:
         move = lambda t: None if t is None else t.to(device, non_blocking=nb)  # noqa: E731
         return replace(self, input_ids=move(self.input_ids), positions=move(self.positions),
                        cu_seqlens=move(self.cu_seqlens), token_type_ids=move(self.token_type_ids),
-                       pixel_values=move(self.pixel_values))
+                       pixel_values=move(self.pixel_values), key_mask=move(self.key_mask))
 
     @property
     def has_images(self) -> bool:
@@ -72,7 +79,8 @@ class ModelInput:
                                                         device=self.pixel_values.device)]
         return ModelInput(self.input_ids[index], self.positions[index], cu, lens, max(lens),
                           None if self.token_type_ids is None else self.token_type_ids[index],
-                          [self.pooling_params[i] for i in seqs] if self.pooling_params else [], pixels, mask)
+                          [self.pooling_params[i] for i in seqs] if self.pooling_params else [], pixels, mask,
+                          None if self.key_mask is None else self.key_mask[index])
 
     def by_modality(self) -> tuple[tuple[list[int], "ModelInput"] | None, tuple[list[int], "ModelInput"] | None]:
         """(text, images): each the indices of its sequences in this batch and the batch of just those (None when
@@ -115,7 +123,7 @@ class ModelInput:
             pieces.append(ModelInput(
                 self.input_ids[t0:t1], self.positions[t0:t1], self.cu_seqlens[s0:s1 + 1] - t0, lens, max(lens),
                 None if self.token_type_ids is None else self.token_type_ids[t0:t1], self.pooling_params[s0:s1],
-                pixels, mask))
+                pixels, mask, None if self.key_mask is None else self.key_mask[t0:t1]))
         return pieces
 
 

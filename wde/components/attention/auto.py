@@ -22,6 +22,7 @@ class AutoBackend(AttentionBackend):
     name = "auto"
     supports_bias = True  # a biased batch goes to torch_sdpa (CPU) or triton_varlen (CUDA), which take one
     supports_window = True  # every backend it picks from takes a window
+    supports_key_mask = True  # and a key mask
 
     def __init__(self, params: AttentionParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
@@ -42,7 +43,7 @@ class AutoBackend(AttentionBackend):
             backend = self._cpu_varlen if bias is None and varlen else self._cpu
         meta = backend.build_metadata(batch, causal, bias, window)
         return AttentionMetadata(meta.cu_seqlens, meta.seq_lens, meta.max_seqlen, meta.causal, (backend, meta),
-                                 bias=bias, window=window, positions=batch.positions)
+                                 bias=bias, window=window, positions=batch.positions, key_mask=meta.key_mask)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

@@ -18,8 +18,10 @@ class AttentionMetadata:
 
     `bias`, when set, is an additive attention bias (see `check_bias`); only a backend whose class sets
     `supports_bias = True` is ever handed one. `window`, when set, is local attention (see `check_window`); only a
-    backend with `supports_window = True` is handed one. A model whose layers differ (local and global layers)
-    builds one metadata per distinct kind, once per batch (`PrefillModel.attention_metadata`).
+    backend with `supports_window = True` is handed one. `key_mask`, when set, is the batch's `ModelInput.key_mask`
+    (see `check_key_mask`); only a backend with `supports_key_mask = True` is handed one. A model whose layers
+    differ (local and global layers) builds one metadata per distinct kind, once per batch
+    (`PrefillModel.attention_metadata`).
     """
 
     cu_seqlens: torch.Tensor
@@ -31,6 +33,8 @@ class AttentionMetadata:
     window: tuple[int, int] | None = None
     positions: torch.Tensor | None = None
     """Each packed token's position within its sequence (the batch's `positions`), for rotary embeddings."""
+    key_mask: torch.Tensor | None = None
+    """Boolean [tokens]: which tokens may be attended to as keys (the batch's `key_mask`); None: all of them."""
     memo: dict = field(default_factory=dict, repr=False)
     """Values layers compute once per batch and share (e.g. rotary cos/sin); see `cached`."""
 
@@ -63,6 +67,18 @@ def window_keys(n: int, window: Window | None, causal: bool, device: torch.devic
     if causal:
         keep = keep & (j <= i)
     return keep
+
+
+def check_key_mask(key_mask: torch.Tensor, num_tokens: int) -> None:
+    """Validate a key mask for a packed batch: boolean, one entry per token (True: the token may be attended to).
+
+    Masked keys combine with the causal mask, a window and an additive bias: a query attends the keys all of them
+    allow. A query left with no key to attend (say every key of its sequence is masked, or its only causal key)
+    outputs zeros on every backend (there is nothing to average), never NaN."""
+    if key_mask.dtype != torch.bool:
+        raise ValueError(f"attention key mask must be a boolean tensor, got {key_mask.dtype}")
+    if key_mask.dim() != 1 or key_mask.shape[0] != num_tokens:
+        raise ValueError(f"attention key mask must be [tokens] = [{num_tokens}], got {tuple(key_mask.shape)}")
 
 
 def check_bias(bias: torch.Tensor, num_seqs: int, max_seqlen: int) -> None:
@@ -98,6 +114,10 @@ class AttentionBackend(Component):
     to it."""
     supports_window: ClassVar[bool] = False
     """Whether `build_metadata` accepts a local-attention `window` (see `Window`), under the same rules."""
+    supports_key_mask: ClassVar[bool] = False
+    """Whether the backend honours a batch's `key_mask` (see `check_key_mask`). The mask comes with the batch, not
+    the model, so a backend that leaves it False refuses such a batch in `build_metadata` (by name) rather than
+    attend the masked keys; `auto` must not route a masked batch to it."""
 
     def __init__(self, params: AttentionParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
@@ -123,7 +143,13 @@ class AttentionBackend(Component):
     def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None,
                        window: Window | None = None) -> AttentionMetadata:
         """The batch's metadata, built once per forward (per layer kind). `bias` is passed only to backends with
-        `supports_bias`, `window` only to backends with `supports_window`."""
+        `supports_bias`, `window` only to backends with `supports_window`; the batch's `key_mask` is refused
+        here unless the backend has `supports_key_mask`."""
+        key_mask = batch.key_mask
+        if key_mask is not None:
+            if not self.supports_key_mask:
+                raise ValueError(f"attention backend {self.name!r} does not support a key mask (ModelInput.key_mask)")
+            check_key_mask(key_mask, batch.num_tokens)
         if bias is not None:
             if not self.supports_bias:
                 raise ValueError(f"attention backend {self.name!r} does not support an attention bias")
@@ -133,7 +159,7 @@ class AttentionBackend(Component):
                 raise ValueError(f"attention backend {self.name!r} does not support local (windowed) attention")
             check_window(window)
         return AttentionMetadata(batch.cu_seqlens, batch.seq_lens, batch.max_seqlen, causal, bias=bias, window=window,
-                                 positions=batch.positions)
+                                 positions=batch.positions, key_mask=key_mask)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

@@ -9,6 +9,10 @@ With a local-attention window (`AttentionMetadata.window`), a sequence longer th
 blocks of `WINDOW_BLOCK` tokens, each attending only the keys its rows can reach (the block widened by the window
 on each side) with a boolean mask of that size: O(length x window) work and memory, never length².
 
+A key mask (`AttentionMetadata.key_mask`) stays a view too: a run's slice of it, viewed as [n, 1, 1, len], is the
+boolean mask that broadcasts over the queries (combined with the causal mask or each window block's mask when
+those are on, as SDPA takes no mask together with `is_causal`). Query rows it leaves with no key are zeroed.
+
 Each call costs a fixed overhead, so this beats `torch_sdpa`'s padded groups on long sequences (no gather, no
 mask, no padded FLOPs) and loses on many very short ones (one call per sequence); `auto` picks per batch with
 `prefer_varlen` (docs/benchmarks.md has the measurements).
@@ -64,9 +68,32 @@ def _block_masks(length: int, window: Window, causal: bool) -> list[tuple[int, i
     return blocks
 
 
+def _key_masked_calls(key_mask: torch.Tensor, runs: list[tuple[int, int, int]], blocks: dict[int, list],
+                      causal: bool) -> list[list[tuple]]:
+    """For each run, its SDPA calls under a key mask: (query start, query end, key start, key end, boolean mask
+    [n, 1, queries or 1, keys], the rows left with no key [n, 1, queries or 1, 1] or None when there are none)."""
+    plans = []
+    for start, n, length in runs:
+        keys = key_mask.narrow(0, start, n * length).view(n, 1, 1, length)
+        if length in blocks:
+            spans = [(q0, q1, k0, k1, keys[..., k0:k1] & keep.to(keys.device))
+                     for q0, q1, k0, k1, keep in blocks[length]]
+        elif causal and length > 1:
+            spans = [(0, length, 0, length, keys & window_keys(length, None, True, keys.device))]
+        else:
+            spans = [(0, length, 0, length, keys)]
+        plan = []
+        for q0, q1, k0, k1, mask in spans:
+            dead = ~mask.any(-1, keepdim=True)
+            plan.append((q0, q1, k0, k1, mask, dead if bool(dead.any()) else None))
+        plans.append(plan)
+    return plans
+
+
 class CpuVarlenBackend(AttentionBackend):
     name = "cpu_varlen"
     supports_window = True
+    supports_key_mask = True
 
     def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None,
                        window: Window | None = None) -> AttentionMetadata:
@@ -81,7 +108,8 @@ class CpuVarlenBackend(AttentionBackend):
             for _, _, length in runs:
                 if length > 1 and min(window) < length - 1 and length not in blocks:
                     blocks[length] = _block_masks(length, window, causal)
-        meta.extra = (runs, blocks)
+        masks = None if batch.key_mask is None else _key_masked_calls(batch.key_mask, runs, blocks, causal)
+        meta.extra = (runs, blocks, masks)
         return meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -91,14 +119,21 @@ class CpuVarlenBackend(AttentionBackend):
                              " {name: torch_sdpa} (or auto) for this model")
         hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
         gqa = hk != hq
-        runs, blocks = meta.extra
+        runs, blocks, masks = meta.extra
         outs = []
-        for start, n, length in runs:
+        for r, (start, n, length) in enumerate(runs):
             rows = n * length
             qs = q.narrow(0, start, rows).view(n, length, hq, d).transpose(1, 2)
             ks = k.narrow(0, start, rows).view(n, length, hk, d).transpose(1, 2)
             vs = v.narrow(0, start, rows).view(n, length, hk, d).transpose(1, 2)
-            if length in blocks:
+            if masks is not None:
+                parts = []
+                for q0, q1, k0, k1, mask, dead in masks[r]:
+                    o = F.scaled_dot_product_attention(qs[:, :, q0:q1], ks[:, :, k0:k1], vs[:, :, k0:k1],
+                                                       attn_mask=mask, scale=scale, enable_gqa=gqa)
+                    parts.append(o if dead is None else o.masked_fill(dead, 0))
+                o = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+            elif length in blocks:
                 o = torch.cat([
                     F.scaled_dot_product_attention(qs[:, :, q0:q1], ks[:, :, k0:k1], vs[:, :, k0:k1],
                                                    attn_mask=keep.to(q.device), scale=scale, enable_gqa=gqa)

@@ -10,7 +10,8 @@ An additive bias (`AttentionMetadata.bias`) becomes each group's float mask, bui
 sliced to the group's length (gathered per sequence when it is per-sequence), with padded keys and, when
 causal, future keys set to -inf. A local-attention window (`AttentionMetadata.window`) is a boolean mask of the
 group's length, built once per batch and layer kind (SDPA takes no window; `cpu_varlen` computes only the keys in
-the window).
+the window). A key mask (`AttentionMetadata.key_mask`) is gathered into each group's slots and folded into the
+same boolean mask (and so into the bias's float mask); the query rows it leaves with no key are zeroed after SDPA.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ _MAX_WASTE = 1.25
 @dataclass
 class _Group:
     """Sequences attended together: `gather` fills the [n, lmax] block from packed tokens, `valid` picks the
-    real slots back out of it; `mask` is boolean (padding / causal) or, with a bias, the float mask."""
+    real slots back out of it; `mask` is boolean (padding / causal / window / key mask) or, with a bias, the float
+    mask; `dead` ([n, lmax or 1, 1, 1]), when set, marks the query rows a key mask leaves with no key (zeroed)."""
 
     n: int
     lmax: int
     gather: torch.Tensor
     valid: torch.Tensor | None
     mask: torch.Tensor | None
+    dead: torch.Tensor | None = None
 
 
 def plan_groups(seq_lens: list[int], max_waste: float = _MAX_WASTE) -> list[list[int]]:
@@ -79,13 +82,15 @@ class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
     supports_bias = True
     supports_window = True
+    supports_key_mask = True
 
     def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None,
                        window: Window | None = None) -> AttentionMetadata:
         meta = super().build_metadata(batch, causal, bias, window)
         lens = batch.seq_lens
         window = covering(window, batch.max_seqlen)
-        if bias is None and window is None and all(length == batch.max_seqlen for length in lens):
+        key_mask = batch.key_mask
+        if bias is None and window is None and key_mask is None and all(length == batch.max_seqlen for length in lens):
             meta.extra = None
             return meta
         starts = batch.cu_seqlens.tolist()
@@ -99,20 +104,28 @@ class TorchSDPABackend(AttentionBackend):
                 gather.extend(range(starts[i], starts[i] + lens[i]))
                 gather.extend([starts[i]] * (lmax - lens[i]))
                 valid.extend(range(slot * lmax, slot * lmax + lens[i]))
+            gather_t = torch.tensor(gather, device=device)
             g_lens = torch.tensor([lens[i] for i in members], device=device)
             padded = any(lens[i] != lmax for i in members)
             keep = None  # [n or 1, 1, lmax (queries) or 1, lmax (keys)]: which keys each query attends
             if padded:
                 keep = (torch.arange(lmax, device=device)[None, :] < g_lens[:, None])[:, None, None, :]
-            if window is not None or (causal and (padded or bias is not None)):
+            if key_mask is not None:
+                keys = key_mask.index_select(0, gather_t).view(len(members), 1, 1, lmax)
+                keep = keys if keep is None else keep & keys
+            if window is not None or (causal and (keep is not None or bias is not None)):
                 local = window_keys(lmax, window, causal, device)[None, None]
                 keep = local if keep is None else keep & local
                 if padded:  # a padded query row keeps every real key: no all-masked row (its output is dropped)
                     pad_rows = (torch.arange(lmax, device=device)[None, :] >= g_lens[:, None])[:, None, :, None]
                     keep = keep | (pad_rows & (torch.arange(lmax, device=device) < g_lens[:, None])[:, None, None, :])
+            dead = None
+            if key_mask is not None:
+                dead = ~keep.any(-1, keepdim=True).transpose(1, 2)  # type: ignore[union-attr]
+                dead = dead if bool(dead.any()) else None
             mask = _bias_mask(bias, members, lmax, keep) if bias is not None else keep
-            groups.append(_Group(len(members), lmax, torch.tensor(gather, device=device),
-                                 torch.tensor(valid, device=device) if padded else None, mask))
+            groups.append(_Group(len(members), lmax, gather_t, torch.tensor(valid, device=device) if padded else None,
+                                 mask, dead))
             token_order.append(torch.tensor([t for i in members for t in range(starts[i], starts[i] + lens[i])]))
         inverse = torch.empty(batch.num_tokens, dtype=torch.long)
         inverse[torch.cat(token_order)] = torch.arange(batch.num_tokens)
@@ -134,7 +147,10 @@ class TorchSDPABackend(AttentionBackend):
         for g in groups:
             qb, kb, vb = (x.index_select(0, g.gather).view(g.n, g.lmax, -1, d) for x in (q, k, v))
             mask = g.mask if g.mask is None or g.mask.dtype == torch.bool else g.mask.to(q.dtype)
-            ob = self._sdpa(qb, kb, vb, mask, meta.causal, scale, rep).reshape(g.n * g.lmax, hq, d)
+            ob = self._sdpa(qb, kb, vb, mask, meta.causal, scale, rep)
+            if g.dead is not None:
+                ob = ob.masked_fill(g.dead, 0)
+            ob = ob.reshape(g.n * g.lmax, hq, d)
             outs.append(ob if g.valid is None else ob.index_select(0, g.valid))
         return torch.cat(outs).index_select(0, inverse)
 

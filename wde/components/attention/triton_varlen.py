@@ -1,7 +1,7 @@
 """Varlen attention with the Triton kernel in `wde.kernels.varlen_attention`: no padding, no mask tensors.
 
-The kernel reads `cu_seqlens` (and an additive bias, when the model gives one) directly, so metadata is what
-the base class builds. The kernel module is
+The kernel reads `cu_seqlens` (and an additive bias, when the model gives one, and the batch's key mask, when it
+has one) directly, so metadata is what the base class builds. The kernel module is
 imported when the backend is built, not when wde is imported: whether triton compiles a kernel for the GPU or runs it in its CPU interpreter is fixed when the kernel is defined, and a test that sets
 `TRITON_INTERPRET=1` must get to do so first.
 
@@ -28,6 +28,7 @@ class TritonVarlenBackend(AttentionBackend):
     name = "triton_varlen"
     supports_bias = True
     supports_window = True
+    supports_key_mask = True
 
     def __init__(self, params: AttentionParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
@@ -40,4 +41,4 @@ class TritonVarlenBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         return self._kernels.varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal, scale,
-                                              bias=meta.bias, window=meta.window)
+                                              bias=meta.bias, window=meta.window, key_mask=meta.key_mask)

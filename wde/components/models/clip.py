@@ -118,6 +118,8 @@ class ProbeAttention(nn.Module):
         self.out_proj = nn.Linear(hidden, hidden)
 
     def forward(self, query: torch.Tensor, x: torch.Tensor, batch: ModelInput) -> torch.Tensor:
+        if batch.key_mask is not None:  # its own softmax over every token: it would read the masked ones
+            raise ValueError("SigLIP's attention-pooling head does not support a key mask (ModelInput.key_mask)")
         hidden, n = x.shape[1], batch.num_seqs
         w, b = self.in_proj_weight, self.in_proj_bias
         q = F.linear(query.to(w.dtype), w[:hidden], b[:hidden]).view(self.heads, self.head_dim)

@@ -17,7 +17,9 @@ own bias and metadata (the packed states are sorted by group once per forward an
 group, c2p is one matmul of the padded queries against the position rows of every distance `[L, 2L - 1]`, read
 along the diagonals (`_skew`, a strided view: no gather over the `[L, L]` blocks); p2c likewise from the keys.
 Backends that take a bias serve it (`auto`: torch_sdpa on CPU, triton_varlen on CUDA; not cpu_varlen). The position
-rows' projections depend only on the weights, so they are computed once, at the first forward.
+rows' projections depend only on the weights, so they are computed once, at the first forward. A batch's key mask
+(`ModelInput.key_mask`) travels into each group's batch, so the backend honours it with the bias; the convolution
+reads a masked token as the padding it reads at the ends of a sequence (zero), so no token reads it there either.
 
 Also honoured: `position_biased_input` (absolute positions added to the input, deberta-v2 style), token types
 (`type_vocab_size > 0`), `embedding_size != hidden_size` (`embed_proj`), `attention_head_size`, and the
@@ -334,7 +336,8 @@ class DebertaV2Conv(nn.Module):
     def forward(self, embeddings: torch.Tensor, residual: torch.Tensor, ctx: DebertaBatch) -> torch.Tensor:
         outs = []
         for g in ctx.groups:
-            x = embeddings[g.start:g.end][g.token_index] * g.valid[..., None].to(embeddings.dtype)  # [n, L, hidden]
+            read = g.valid if g.batch.key_mask is None else g.valid & g.batch.key_mask[g.token_index]
+            x = embeddings[g.start:g.end][g.token_index] * read[..., None].to(embeddings.dtype)  # [n, L, hidden]
             outs.append(self.conv(x.to(self.conv.weight.dtype).transpose(1, 2)).transpose(1, 2)[g.valid])
         out = self.act(outs[0] if len(outs) == 1 else torch.cat(outs))
         return self.LayerNorm((residual + out.to(residual.dtype)).to(self.LayerNorm.weight.dtype)).to(residual.dtype)
@@ -420,8 +423,9 @@ class DebertaV2Model(BertModel):
             self._positions[key] = found
         return found
 
-    def _group(self, batch: ModelInput, start: int, lens: list[int], device: torch.device) -> SequenceGroup:
-        """Sequences of `lens` whose tokens are `start:` of the (length-sorted) states."""
+    def _group(self, batch: ModelInput, start: int, lens: list[int], device: torch.device,
+               key_mask: torch.Tensor | None) -> SequenceGroup:
+        """Sequences of `lens` whose tokens are `start:` of the (length-sorted) states and of `key_mask`."""
         length, count = max(lens), sum(lens)
         lens_t = torch.tensor(lens, device=device)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
@@ -431,7 +435,8 @@ class DebertaV2Model(BertModel):
         starts = cu[:-1].long()[:, None]
         token_index = torch.where(valid, starts + slots[None, :], starts)
         positions = torch.arange(count, device=device) - torch.repeat_interleave(starts[:, 0], lens_t)
-        sub = ModelInput(batch.input_ids.new_zeros(count), positions, cu, lens, length)  # metadata reads no ids
+        sub = ModelInput(batch.input_ids.new_zeros(count), positions, cu, lens, length,  # metadata reads no ids
+                         key_mask=None if key_mask is None else key_mask[start:start + count])
         return SequenceGroup(start, start + count, sub, token_index, valid,
                              self._relative_index(length, device) if self.spec is not None else None)
 
@@ -444,11 +449,6 @@ class DebertaV2Model(BertModel):
             groups = [SequenceGroup(0, batch.num_tokens, batch, *self._padding(batch, device), None)]
         else:
             plan = plan_groups(lens, MAX_PADDING)
-            groups, start = [], 0
-            for members in plan:
-                group_lens = [lens[i] for i in members]
-                groups.append(self._group(batch, start, group_lens, device))
-                start += sum(group_lens)
             sequences = [i for members in plan for i in members]
             if sequences != list(range(len(lens))):  # sort the tokens by group, put them back at the end
                 cu = batch.cu_seqlens.to(device=device, dtype=torch.long)
@@ -458,6 +458,12 @@ class DebertaV2Model(BertModel):
                 new_first = torch.repeat_interleave(torch.cumsum(seq_lens, 0) - seq_lens, seq_lens)
                 order = first + torch.arange(batch.num_tokens, device=device) - new_first
                 x = x[order]
+            key_mask = batch.key_mask if batch.key_mask is None or order is None else batch.key_mask[order]
+            groups, start = [], 0
+            for members in plan:
+                group_lens = [lens[i] for i in members]
+                groups.append(self._group(batch, start, group_lens, device, key_mask))
+                start += sum(group_lens)
         ctx = DebertaBatch(groups, lambda b, bias: self.attention_metadata(b, bias),
                            self._position_projections(x.dtype) if self.spec is not None else None)
         embeddings = x
