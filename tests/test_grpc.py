@@ -8,6 +8,7 @@ limits; the server keeps serving after every refusal. No test depends on wall-cl
 from __future__ import annotations
 
 import filecmp
+import queue
 import re
 import socket
 import subprocess
@@ -202,6 +203,23 @@ def test_embed_stream_of_1000_loses_none_and_keeps_order(client: Client) -> None
     assert got.shape == expected.shape == (1000, 384)
     assert np.abs(got - expected).max() <= 1e-5  # each answer is its own text's (batches may differ in order)
     assert (np.argmax(got @ expected.T, axis=1) == np.arange(1000)).all()
+
+
+def test_a_stream_serves_a_client_that_waits_for_each_answer(client: Client) -> None:
+    """Requests are read while answers are awaited: a client sending its next request only after reading the
+    previous answer is served (a server reading a window of requests before answering would wait for it forever)."""
+    answered: queue.Queue[None] = queue.Queue()
+
+    def requests() -> Iterator[Any]:
+        for text in TEXTS:
+            yield tei_pb2.EmbedRequest(inputs=text)
+            answered.get(timeout=300)  # only a deadlock waits this long
+
+    got = []
+    for response in client.embed.EmbedStream(requests()):
+        got.append(f32(response.embeddings))
+        answered.put(None)
+    assert np.abs(np.stack(got) - f32(client.http("/embed", {"inputs": TEXTS}))).max() <= 1e-5
 
 
 def test_a_stream_ends_at_its_first_bad_request_after_the_answers_before_it(client: Client) -> None:
