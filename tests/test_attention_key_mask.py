@@ -25,6 +25,7 @@ from wde.components.attention.cpu_varlen import CpuVarlenBackend
 from wde.components.attention.torch_sdpa import TorchSDPABackend
 from wde.components.model_input_builder import ModelInput
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MIXED = [5, 1, 17, 9, 3, 9, 9]
 """Padded groups in torch_sdpa, runs of one length in cpu_varlen, a one-token sequence."""
 UNIFORM = [6, 6, 6, 6]
@@ -137,23 +138,26 @@ def test_triton_kernel_matches_the_dense_reference(causal: bool, window: tuple |
 
 def test_a_query_with_no_key_outputs_zeros_on_every_backend() -> None:
     """Sequence 1 has every key masked; with the causal mask, sequence 2's first query sees only its masked first
-    key. Those rows are zeros (not NaN, not the unmasked attention), the other rows are untouched."""
+    key. Those rows are zeros (not NaN, not the unmasked attention), the other rows are untouched. On a GPU host
+    the SDPA backends run on CUDA too, where SDPA's own kernels handle a fully masked row."""
     from wde.kernels import varlen_attention
 
     lens = [4, 3, 5]
     mask = torch.tensor([1, 1, 0, 1, 0, 0, 0, 0, 1, 1, 0, 1], dtype=torch.bool)
-    q, k, v = inputs(lens, 2)
     dead = torch.tensor([4, 5, 6, 7])  # with causal: and sequence 2's first query (token 7)
-    outs = {name: make().forward(q, k, v, make().build_metadata(masked_batch(lens, mask), True), 0.5)
-            for name, make in CPU_BACKENDS.items()}
-    if varlen_attention.INTERPRETED:
-        outs["triton_varlen"] = varlen_attention.varlen_attention(q, k, v, packed_batch(lens).cu_seqlens, 5, True,
-                                                                  0.5, key_mask=mask)
-    expected = reference(q, k, v, lens, mask, True, None, None, 0.5)
-    for name, out in outs.items():
-        assert torch.isfinite(out).all(), name
-        assert (out[dead] == 0).all(), name
-        assert (out - expected).abs().max().item() <= 1e-5, name
+    expected = reference(*inputs(lens, 2), lens, mask, True, None, None, 0.5)
+    for dev in dict.fromkeys(["cpu", DEVICE]):
+        q, k, v = inputs(lens, 2, dev)
+        batch = masked_batch(lens, mask).to(dev)
+        outs = {name: make().forward(q, k, v, make().build_metadata(batch, True), 0.5)
+                for name, make in CPU_BACKENDS.items()}
+        if varlen_attention.INTERPRETED or dev == "cuda":
+            outs["triton_varlen"] = varlen_attention.varlen_attention(q, k, v, batch.cu_seqlens, 5, True, 0.5,
+                                                                      key_mask=batch.key_mask)
+        for name, out in outs.items():
+            assert torch.isfinite(out).all(), (name, dev)
+            assert (out[dead.to(dev)] == 0).all(), (name, dev)
+            assert (out.cpu() - expected).abs().max().item() <= (1e-5 if dev == "cpu" else 5e-3), (name, dev)
 
 
 def test_cpu_varlen_reads_the_mask_as_a_view() -> None:
@@ -210,9 +214,10 @@ def test_bad_masks_are_refused(mask: torch.Tensor, message: str) -> None:
     for make in CPU_BACKENDS.values():
         with pytest.raises(ValueError, match=message):
             make().build_metadata(masked_batch(MIXED, mask), False)
-    q, k, v = inputs(MIXED, 4)
+    q, k, v = inputs(MIXED, 4, DEVICE)
     with pytest.raises(ValueError, match="key_mask must be a boolean"):
-        varlen_attention(q, k, v, packed_batch(MIXED).cu_seqlens, max(MIXED), False, key_mask=mask)
+        varlen_attention(q, k, v, packed_batch(MIXED).cu_seqlens.to(DEVICE), max(MIXED), False,
+                         key_mask=mask.to(DEVICE))
 
 
 def test_the_mask_travels_with_the_batch() -> None:
@@ -254,24 +259,28 @@ def _token_ids(lens: list[int], vocab: int) -> torch.Tensor:
 def test_bert_matches_transformers_attention_mask(tiny_bert: Path, attention: str) -> None:
     """WDE's BERT on a packed batch with a key mask equals transformers' BertModel run on each sequence with
     `attention_mask` zeros at the masked tokens (a key mask too), every token's state, masked ones included.
-    The short lengths send `auto` to torch_sdpa and the long ones to cpu_varlen."""
+    The short lengths send `auto` to torch_sdpa and the long ones to cpu_varlen. triton_varlen runs in the
+    interpreter on CPU, compiled on a GPU host (float32, IEEE dots)."""
     from transformers import BertModel
 
+    from wde.kernels import varlen_attention
+
+    dev = "cuda" if attention == "triton_varlen" and not varlen_attention.INTERPRETED else "cpu"
     hf = BertModel.from_pretrained(tiny_bert, attn_implementation="eager").eval()
     for lens in ([12, 7, 20, 7, 3], [70, 45, 45]):
         ids, mask = _token_ids(lens, hf.config.vocab_size), key_mask(lens, seed=sum(lens))
-        with Engine.from_workflow("bert", tiny_bert, device="cpu", dtype="float32", attention={"name": attention},
+        with Engine.from_workflow("bert", tiny_bert, device=dev, dtype="float32", attention={"name": attention},
                                   overrides=["pooler.params.pooling=mean"]) as engine:
             model = engine.components["model"]
             with torch.inference_mode():
-                got = model(replace(packed_batch(lens, input_ids=ids), key_mask=mask))
-                plain = model(packed_batch(lens, input_ids=ids))
+                got = model(replace(packed_batch(lens, input_ids=ids), key_mask=mask).to(dev)).cpu()
+                plain = model(packed_batch(lens, input_ids=ids).to(dev)).cpu()
         start = 0
         for n in lens:
             with torch.inference_mode():
                 ref = hf(input_ids=ids[None, start:start + n],
                          attention_mask=mask[None, start:start + n].long()).last_hidden_state[0]
-            assert (got[start:start + n] - ref).abs().max().item() <= 1e-5
+            assert (got[start:start + n] - ref).abs().max().item() <= (1e-5 if dev == "cpu" else 1e-4)
             start += n
         assert (got - plain).abs().max().item() > 1e-3  # the mask changed the result (random weights: small)
 
