@@ -118,6 +118,10 @@ class SchedulableRequest:
     server sends its core)."""
     chunk: tuple[int, int] | None = None
     """(index, count) when this sequence is one chunk of a long input."""
+    masked_keys: int = 0
+    """How many of the last `token_ids` no token may attend to (a late-interaction query's expansion tokens with
+    `attend: false`, wde/components/multi_vector.py): its model input builder masks them as keys
+    (`ModelInput.key_mask`); they still get outputs of their own."""
 
     @property
     def num_tokens(self) -> int:

@@ -55,6 +55,12 @@ class SentencePoolerParams(Params):
     """auto: true when the model's modules.json ends with a Normalize module."""
 
 
+class MultiVectorPoolerParams(Params):
+    normalize: bool | Literal["auto"] = "auto"
+    """L2-normalize each token vector; auto: when the folder's last module is a per-token Normalize (a request's
+    `normalize` overrides it)."""
+
+
 class ClassifierParams(Params):
     task: Literal["auto", "score", "probs"] = "auto"
     """auto: 'score' for a single-logit model (cross-encoder / reranker), 'probs' otherwise."""

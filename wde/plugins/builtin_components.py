@@ -15,8 +15,8 @@ from wde.components.executor import ThreadExecutorParams
 from wde.components.input_processor import TextInputParams
 from wde.components.params import ImageTextInputParams, ImageTextRequestParams, ProjectedPoolerParams
 from wde.components.params import (AttentionParams, BGEM3OutputParams, BGEM3PoolerParams, ClassifierParams, ModelParams,
-                                   SentencePoolerParams, SparseOutputParams, SpladePoolerParams, TorchRunnerParams,
-                                   YesNoScorerParams)
+                                   MultiVectorPoolerParams, SentencePoolerParams, SparseOutputParams, SpladePoolerParams,
+                                   TorchRunnerParams, YesNoScorerParams)
 from wde.components.request_processor import LazyTokenizeParams
 from wde.components.reranker_prompt import AffixTokenizerParams, InstructionPairParams
 from wde.components.scheduler import FCFSParams
@@ -31,11 +31,14 @@ _BUILTINS: tuple[tuple[str, str, str, type[Params]], ...] = (
     ("input_processor", "text_input", "input_processor:TextInputProcessor", TextInputParams),
     ("input_processor", "instruction_pair", "reranker_prompt:InstructionPairInput", InstructionPairParams),
     ("input_processor", "image_text_input", "image_input:ImageTextInputProcessor", ImageTextInputParams),
+    ("input_processor", "multi_vector_input", "multi_vector:MultiVectorInput", TextInputParams),
     ("request_processor", "lazy_tokenize", "request_processor:LazyTokenizeRequestProcessor", LazyTokenizeParams),
     ("request_processor", "image_text", "multimodal:ImageTextRequestProcessor", ImageTextRequestParams),
+    ("request_processor", "multi_vector_tokenize", "multi_vector:MultiVectorTokenize", LazyTokenizeParams),
     ("scheduler", "fcfs", "scheduler:FCFSScheduler", FCFSParams),
     ("model_input_builder", "packed", "model_input_builder:PackedInputBuilder", Params),
     ("model_input_builder", "packed_multimodal", "multimodal:MultimodalInputBuilder", Params),
+    ("model_input_builder", "multi_vector_packed", "multi_vector:MultiVectorInputBuilder", Params),
     ("attention", "auto", "attention.auto:AutoBackend", AttentionParams),
     ("attention", "torch_sdpa", "attention.torch_sdpa:TorchSDPABackend", AttentionParams),
     ("attention", "cpu_varlen", "attention.cpu_varlen:CpuVarlenBackend", AttentionParams),
@@ -63,6 +66,7 @@ _BUILTINS: tuple[tuple[str, str, str, type[Params]], ...] = (
     ("pooler", "sentence_tokens", "token_states:SentenceTokensPooler", SentencePoolerParams),
     ("pooler", "bge_m3", "bge_m3:BGEM3Pooler", BGEM3PoolerParams),
     ("pooler", "splade", "splade:SpladePooler", SpladePoolerParams),
+    ("pooler", "multi_vector", "multi_vector:MultiVectorPooler", MultiVectorPoolerParams),
     ("pooler", "classifier", "classifier:ClassifierPooler", ClassifierParams),
     ("pooler", "yes_no_score", "causal_lm_scorer:YesNoScorer", YesNoScorerParams),
     ("runner", "torch", "runner:TorchRunner", TorchRunnerParams),

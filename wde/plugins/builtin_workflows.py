@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from wde.model_source import ModelSource
 
 DEFAULT_ARCHITECTURES: dict[str, str] = {
-    "BertModel": "bert",
     "XLMRobertaModel": "xlm_roberta",
     "RobertaModel": "xlm_roberta",
     "BertForSequenceClassification": "sequence_classification",
@@ -101,10 +100,31 @@ class SpladeIfSparseEncoder:
         return f"{self.workflow} (with a sentence-transformers SparseEncoder config; else --workflow {self.workflow})"
 
 
+@dataclass(frozen=True)
+class MultiVectorIfMultiVectorEncoder:
+    """Picks the late-interaction workflow for an architecture that dense embedders share (BertModel) when the
+    folder is a sentence-transformers MultiVectorEncoder (`model_type: MultiVectorEncoder` in
+    config_sentence_transformers.json, or a MultiVectorMask in modules.json); the dense workflow for any other."""
+
+    architecture: str
+    dense: str
+    multi_vector: str
+
+    def __call__(self, source: "ModelSource") -> str:
+        from wde.components.multi_vector_config import is_multi_vector_folder  # torch-free
+
+        return self.multi_vector if is_multi_vector_folder(source) else self.dense
+
+    def __str__(self) -> str:
+        """What `wde plugins` lists: the dense workflow, which every folder but a MultiVectorEncoder gets."""
+        return self.dense
+
+
 FOLDER_ARCHITECTURES = (
     EmbedderIfSentenceTransformers("Qwen3ForCausalLM", "qwen3_embedding", ("qwen3_reranker",),
                                    "a Qwen3-Reranker checkpoint"),
     SpladeIfSparseEncoder("BertForMaskedLM"),
+    MultiVectorIfMultiVectorEncoder("BertModel", "bert", "multi_vector"),
 )
 """Architectures whose workflow depends on the model folder's files."""
 

@@ -1,0 +1,263 @@
+"""Late interaction (the `multi_vector` workflow) against sentence-transformers 6's own `MultiVectorEncoder`, on
+folders it saves here (fp32 CPU): each token matrix of `encode_query` / `encode_document` (same rows, <= 1e-4) with
+and without prompts, fixed and min query expansion with and without `attend`, skiplists on either side,
+`keep_only_token_ids`, chains of Dense modules, on a tiny random BERT with all-MiniLM-L6-v2's tokenizer and on
+all-MiniLM-L6-v2 itself; queries and documents in one engine step; `maxsim` against `similarity` (maxsim and
+meanmaxsim); the workflow picked from the folder; and what is refused, by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import string
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from wde import Engine, PoolingParams
+from wde.components.multi_vector import maxsim
+from wde.engine import resolve
+from wde.errors import ModelLoadError, RequestError
+
+TOL = 1e-4
+QUERY = PoolingParams(truncate=True, options={"task": "query"})
+DOCUMENT = PoolingParams(truncate=True, options={"task": "document"})
+TEXTS = ["what is the capital of france?", "hi", "Paris is the capital of France. It has, many museums!",
+         "berlin, bonn; and hamburg? " * 6, "a b c d e f g h i j k l m n o p", "naïve café: größe, 東京!"]
+
+
+@pytest.fixture(scope="module")
+def backbone(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path) -> Path:
+    """A tiny random BertModel (hidden 32, 2 layers) with all-MiniLM-L6-v2's tokenizer: real punctuation and a
+    [MASK] token, quick to save and run."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    out = tmp_path_factory.mktemp("mv-backbone")
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(minilm_path)
+    cfg = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=512)
+    BertModel(cfg).eval().save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def build(backbone: Path, out: Path, *, prompts: dict | None = None, expansion: dict | None = None,
+          query_length: int | None = None, document_length: int | None = None, skiplist: list[str] | None = None,
+          skiplist_tasks: list[str] | None = None, keep_only: list[int] | None = None, dims: tuple[int, ...] = (16,),
+          similarity: str | None = None) -> Path:
+    """A MultiVectorEncoder folder saved by sentence-transformers, as a user builds one: Transformer, per-token
+    Dense modules (the first linear, any further ones with tanh and a bias), MultiVectorMask, per-token Normalize."""
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Dense, Normalize, Transformer
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    torch.manual_seed(1)
+    transformer = Transformer(str(backbone), query_length=query_length, document_length=document_length,
+                              query_expansion=expansion)
+    width = transformer.get_embedding_dimension()
+    modules: list = [transformer]
+    for i, dim in enumerate(dims):
+        modules.append(Dense(width, dim, bias=i > 0, activation_function=torch.nn.Tanh() if i else None,
+                             module_input_name="token_embeddings"))
+        width = dim
+    modules += [MultiVectorMask(skiplist, skiplist_tasks=skiplist_tasks, keep_only_token_ids=keep_only),
+                Normalize(module_input_name="token_embeddings")]
+    MultiVectorEncoder(modules=modules, prompts=prompts, similarity_fn_name=similarity, device="cpu").save(str(out))
+    return out
+
+
+def st_model(folder: Path):  # noqa: ANN201 - a sentence_transformers.MultiVectorEncoder
+    from sentence_transformers import MultiVectorEncoder
+
+    return MultiVectorEncoder(str(folder), device="cpu")
+
+
+def assert_parity(engine: Engine, st, texts: list[str]) -> None:  # noqa: ANN001
+    """Every text as a query and as a document: the same token rows as sentence-transformers, within TOL."""
+    for params, expected in ((QUERY, st.encode_query(texts)), (DOCUMENT, st.encode_document(texts))):
+        for text, out, want in zip(texts, engine.encode(texts, params), expected):
+            got = out.outputs["colbert"]
+            assert got.shape == tuple(want.shape), (params.options, text)
+            assert np.abs(got - want.numpy()).max(initial=0.0) <= TOL, (params.options, text)
+
+
+VARIANTS = {
+    "prompts-fixed-masked-skiplist": dict(prompts={"query": "[Q] ", "document": "[D] "},
+                                          expansion={"strategy": "fixed", "length": 12}, document_length=24,
+                                          skiplist=list(string.punctuation)),
+    "no-prompts-fixed-attend": dict(expansion={"strategy": "fixed", "length": 12, "attend": True}),
+    "min-masked": dict(prompts={"query": "query: "}, expansion={"strategy": "min", "length": 10},
+                       query_length=14, skiplist=[",", "?"]),
+    "min-attend-own-token": dict(expansion={"strategy": "min", "length": 10, "attend": True, "token": "[unused1]"}),
+    "no-expansion-both-sides-skiplist": dict(prompts={"passage": "passage: "}, query_length=8, document_length=20,
+                                             skiplist=[",", ".", "notaword"], skiplist_tasks=["query", "document"],
+                                             dims=(24, 16), similarity="meanmaxsim"),
+    "keep-only-ids": dict(keep_only=[1996, 1010, 1012, 2003], skiplist=["."]),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_matches_sentence_transformers(variant: str, backbone: Path, tmp_path: Path) -> None:
+    folder = build(backbone, tmp_path / variant, **VARIANTS[variant])
+    with Engine.from_workflow(None, folder) as engine:
+        assert engine.workflow.name == "multi_vector"
+        assert engine.request_options == {"task": ("document", "query")}
+        assert_parity(engine, st_model(folder), TEXTS)
+
+
+@pytest.fixture(scope="module")
+def colbert_minilm(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """all-MiniLM-L6-v2 as a classic ColBERT: [Q]/[D] prompts, 32-token fixed expansion without attend, 180-token
+    documents, a punctuation skiplist, a 128-wide projection."""
+    return build(minilm_path, tmp_path_factory.mktemp("colbert-minilm") / "st", dims=(128,),
+                 prompts={"query": "[Q] ", "document": "[D] "}, expansion={"strategy": "fixed", "length": 32},
+                 query_length=32, document_length=180, skiplist=list(string.punctuation))
+
+
+@pytest.fixture(scope="module")
+def colbert(colbert_minilm: Path):
+    with Engine.from_workflow(None, colbert_minilm) as engine:
+        yield engine
+
+
+def test_real_weights_match_sentence_transformers(colbert: Engine, colbert_minilm: Path) -> None:
+    assert_parity(colbert, st_model(colbert_minilm), TEXTS + ["a long document " * 120])
+
+
+def test_queries_and_documents_in_one_engine_step(colbert: Engine, colbert_minilm: Path) -> None:
+    """Queries (expanded, their expansion masked as keys) and documents (skiplist) packed into one batch, the
+    request's prompt overriding the task's, and `normalize=False` for one request."""
+    st = st_model(colbert_minilm)
+    requests, expected = [], []
+    for i, text in enumerate(TEXTS):
+        query = i % 2 == 0
+        requests.append(colbert.make_request(text, QUERY if query else DOCUMENT))
+        expected.append((st.encode_query if query else st.encode_document)([text])[0])
+    requests.append(colbert.make_request(TEXTS[0], PoolingParams(prompt_name="document", options={"task": "query"})))
+    expected.append(st.encode_query([TEXTS[0]], prompt_name="document")[0])
+    requests.append(colbert.make_request(TEXTS[2], PoolingParams(normalize=False)))
+    unnormalized = type(st)(modules=list(st)[:-1], prompts=st.prompts, device="cpu")
+    expected.append(unnormalized.encode_document([TEXTS[2]])[0])
+    batches: list = []
+    colbert.on_batch = batches.append
+    try:
+        done = colbert.run(requests)
+    finally:
+        colbert.on_batch = None
+    assert [b.num_requests for b in batches] == [len(requests)]
+    for request, want in zip(requests, expected):
+        got = done[request.request_id].outputs["colbert"]
+        assert got.shape == tuple(want.shape) and np.abs(got - want.numpy()).max() <= TOL
+
+
+@pytest.mark.parametrize("similarity", ["maxsim", "meanmaxsim"])
+def test_maxsim_matches_similarity(colbert: Engine, colbert_minilm: Path, similarity: str) -> None:
+    st = st_model(colbert_minilm)
+    st.similarity_fn_name = similarity
+    queries = [o.outputs["colbert"] for o in colbert.encode(TEXTS[:2], QUERY)]
+    documents = [torch.from_numpy(o.outputs["colbert"]) for o in colbert.encode(TEXTS, DOCUMENT)]
+    expected = st.similarity([torch.from_numpy(q) for q in queries], documents)
+    for q, want in zip(queries, expected):
+        got = maxsim(torch.from_numpy(q), documents, similarity)  # type: ignore[arg-type]
+        assert torch.allclose(got, want.float(), rtol=TOL, atol=0)
+
+
+def test_pooler_exposes_similarity(backbone: Path, tmp_path: Path, colbert: Engine) -> None:
+    assert colbert.components["pooler"].similarity_fn_name == "maxsim"
+    assert colbert.components["pooler"].vector_size == 128
+    folder = build(backbone, tmp_path / "mean", similarity="meanmaxsim")
+    with Engine.from_workflow(None, folder) as engine:
+        assert engine.components["pooler"].similarity_fn_name == "meanmaxsim"
+
+
+def test_workflow_picked_from_the_folder(colbert_minilm: Path, minilm_path: Path, tmp_path: Path) -> None:
+    """BertModel gets `multi_vector` for a MultiVectorEncoder folder (by its model_type, or a MultiVectorMask in
+    modules.json) and `bert` for every other."""
+    assert resolve(None, colbert_minilm)[0].name == "multi_vector"
+    assert resolve(None, minilm_path)[0].name == "bert"
+    masked = _copy(colbert_minilm, tmp_path / "mask-only")
+    _edit(masked / "config_sentence_transformers.json", lambda cfg: cfg.pop("model_type"))
+    assert resolve(None, masked)[0].name == "multi_vector"
+
+
+def test_requests_refused_by_name(colbert: Engine) -> None:
+    with pytest.raises(RequestError, match="option task='passage'") as e:
+        colbert.encode(["x"], PoolingParams(options={"task": "passage"}))
+    assert e.value.field == "options.task"
+    with pytest.raises(RequestError, match="cannot be truncated") as e:
+        colbert.encode(["x"], PoolingParams(dimensions=8))
+    assert e.value.field == "dimensions"
+    with pytest.raises(RequestError, match="more than the 32 a query may have \\(query_expansion length"):
+        colbert.encode(["word " * 40], PoolingParams(options={"task": "query"}))
+    with pytest.raises(RequestError, match="more than the 180 a document may have \\(document_length"):
+        colbert.encode(["word " * 200])
+    with pytest.raises(RequestError, match="not produced"):
+        colbert.encode(["x"], PoolingParams(outputs=("dense",)))
+
+
+def _copy(folder: Path, out: Path) -> Path:
+    return Path(shutil.copytree(folder, out))
+
+
+def _edit(path: Path, change) -> None:  # noqa: ANN001
+    cfg = json.loads(path.read_text())
+    change(cfg)
+    path.write_text(json.dumps(cfg))
+
+
+def _add_module(folder: Path, type_name: str) -> None:
+    _edit(folder / "modules.json", lambda mods: mods.append({"idx": len(mods), "name": "x", "path": "",
+                                                             "type": type_name}))
+
+
+REFUSALS = {
+    "normalize-on-sentence-embedding": (
+        lambda f: _edit(f / "3_Normalize/config.json", lambda c: c.update(module_input_name="sentence_embedding")),
+        "Normalize module_input_name is 'sentence_embedding'"),
+    "token-pooling": (
+        lambda f: _add_module(f, "sentence_transformers.multi_vector_encoder.modules.token_pooling."
+                                 "HierarchicalTokenPooling"),
+        "HierarchicalTokenPooling.* is not implemented .*token pooling"),
+    "similarity": (
+        lambda f: _edit(f / "config_sentence_transformers.json", lambda c: c.update(similarity_fn_name="cosine")),
+        "similarity_fn_name 'cosine' is not implemented"),
+    "pylate-keys": (
+        lambda f: _edit(f / "config_sentence_transformers.json", lambda c: c.update(query_prefix="[unused0]")),
+        "settings \\['query_prefix'\\] are not implemented"),
+    "expansion-strategy": (
+        lambda f: _edit(f / "sentence_bert_config.json", lambda c: c["query_expansion"].update(strategy="dynamic")),
+        "query_expansion strategy 'dynamic' is not implemented"),
+    "transformer-setting": (
+        lambda f: _edit(f / "sentence_bert_config.json", lambda c: c.update(processing_kwargs={"text": {"x": 1}})),
+        "processing_kwargs"),
+    "mask-setting": (
+        lambda f: _edit(f / "2_MultiVectorMask/config.json", lambda c: c.update(pool_factor=2)),
+        "MultiVectorMask settings \\['pool_factor'\\] are not implemented"),
+    "document-length-over-model": (
+        lambda f: _edit(f / "sentence_bert_config.json", lambda c: c.update(document_length=4096)),
+        "document_length 4096 is more than the 512 tokens"),
+    "no-mask": (
+        lambda f: _edit(f / "modules.json", lambda mods: mods.pop(2)),
+        "exactly one MultiVectorMask"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_folders_refused_by_name(case: str, backbone: Path, tmp_path_factory: pytest.TempPathFactory,
+                                 tmp_path: Path) -> None:
+    base = tmp_path_factory.getbasetemp() / "mv-refusal-base"
+    if not base.exists():
+        build(backbone, base, expansion={"strategy": "fixed", "length": 12}, skiplist=["."])
+    folder = _copy(base, tmp_path / case)
+    change, message = REFUSALS[case]
+    change(folder)
+    with pytest.raises(ModelLoadError, match=message):
+        Engine.from_workflow("multi_vector", folder)
+
+
+def test_plain_folder_refused_by_the_workflow(minilm_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="serves sentence-transformers MultiVectorEncoder folders"):
+        Engine.from_workflow("multi_vector", minilm_path)
