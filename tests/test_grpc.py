@@ -13,6 +13,8 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -329,17 +331,37 @@ def test_batch_too_large_and_pair_shapes(reranker: tuple[Client, Path]) -> None:
     assert client.rerank.Rerank(tei_pb2.RerankRequest(query="q", texts=texts[:BATCH_LIMIT])).ranks
 
 
-def test_overload_is_resource_exhausted(served: tuple[Client, Any]) -> None:
+def test_overload_is_resource_exhausted_and_streams_wait_it_out(served: tuple[Client, Any],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on TEI: a unary call to an overloaded server is refused at once, RESOURCE_EXHAUSTED; a stream's request
+    waits for room (TEI's permit) until --request-timeout. The engine takes no request at all while the test says
+    so (`max_concurrent_requests = 0`), whatever the timing; the stream's first refused try is observed."""
     client, app = served
     engine = app.state.service.engine
-    engine.max_concurrent_requests = 0  # every request over the limit, whatever the timing
-    try:
-        error = refused(client.embed.Embed, tei_pb2.EmbedRequest(inputs="a"))
-        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in error.details()
-        stream = refused(client.embed.EmbedStream, iter([tei_pb2.EmbedRequest(inputs="a")]))
-        assert stream.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    finally:
+    tried = threading.Event()
+    encode = engine.encode
+
+    async def observed(*args: Any, **kwargs: Any) -> Any:
+        if engine.max_concurrent_requests == 0:
+            tried.set()
+        return await encode(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "encode", observed)
+    monkeypatch.setattr(engine, "max_concurrent_requests", 0)
+    error = refused(client.embed.Embed, tei_pb2.EmbedRequest(inputs="a"))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in error.details()
+    tried.clear()
+    with ThreadPoolExecutor(1) as pool:
+        streamed = pool.submit(lambda: list(client.embed.EmbedStream(iter([tei_pb2.EmbedRequest(inputs="a")]))))
+        assert tried.wait(300), "the stream's request never reached the engine"
         engine.max_concurrent_requests = 512
+        (answer,) = streamed.result(timeout=300)
+    assert np.array_equal(f32(answer.embeddings), f32(client.http("/embed", {"inputs": "a"})[0]))
+    engine.max_concurrent_requests = 0
+    monkeypatch.setattr(app.state.service.config, "request_timeout", 0.05)
+    error = refused(client.embed.EmbedStream, iter([tei_pb2.EmbedRequest(inputs="a")]))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in error.details()
+    monkeypatch.undo()
     assert client.embed.Embed(tei_pb2.EmbedRequest(inputs="a")).embeddings
 
 

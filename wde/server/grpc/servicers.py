@@ -4,14 +4,15 @@ gRPC call gives exactly the HTTP answer: the same vectors, scores, tokens, refus
 
 A method the served model cannot answer (Rerank on an embedder, Embed on a classifier) is refused as its HTTP
 route refuses it, which TEI's gRPC server answers FAILED_PRECONDITION; bad input is INVALID_ARGUMENT, overload
-RESOURCE_EXHAUSTED (calls.py). Streams are served in order, several requests at once (streams.py).
+RESOURCE_EXHAUSTED (calls.py). Streams are served in order, several requests at once (streams.py); their
+requests, and Rerank's, wait out an overload as TEI's do (`_admitted`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
 import orjson
@@ -28,6 +29,12 @@ MODEL_TYPES = {"embedding": tei_pb2.MODEL_TYPE_EMBEDDING, "classifier": tei_pb2.
                "reranker": tei_pb2.MODEL_TYPE_RERANKER}
 
 Headers = dict[str, str]
+T = TypeVar("T")
+
+OVERLOAD_POLL_MIN_S = 0.005
+OVERLOAD_POLL_MAX_S = 0.1
+"""How often a stream's request waiting for an overloaded server tries again: at once at first (most overloads
+are a burst that drains within a step), then at most ten times a second."""
 
 
 class TeiServicer(tei_pb2_grpc.InfoServicer, tei_pb2_grpc.EmbedServicer, tei_pb2_grpc.PredictServicer,
@@ -83,13 +90,31 @@ class TeiServicer(tei_pb2_grpc.InfoServicer, tei_pb2_grpc.EmbedServicer, tei_pb2
     async def _stream(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
                       serve: Callable[[Any], Awaitable[tuple[Any, Headers | None]]]) -> AsyncIterator[Any]:
         async def response(message: Any) -> Any:
-            return (await serve(message))[0]
+            return (await self._admitted(serve, message))[0]
 
         try:
             async for item in in_order(requests, response, self.window):
                 yield item
         except Exception as e:  # noqa: BLE001 - every failure becomes a status (refuse logs the unexpected ones)
             await refuse(context, e)
+
+    async def _admitted(self, serve: Callable[[Any], Awaitable[T]], message: Any) -> T:
+        """`serve(message)`, waiting while the server is overloaded, where TEI waits for a permit (the requests of
+        a stream, and Rerank's) rather than refusing at once (its other unary calls): tried again after 5 ms, then
+        twice as long each time up to `OVERLOAD_POLL_MAX_S`, until `--request-timeout` (0: no limit) has passed
+        since it came, when the overload is its answer (RESOURCE_EXHAUSTED). An overloaded request was refused at
+        admission, before any of it was queued, so trying it again repeats nothing."""
+        timeout = self.service.config.request_timeout
+        deadline = time.monotonic() + timeout if timeout else None
+        delay = OVERLOAD_POLL_MIN_S
+        while True:
+            try:
+                return await serve(message)
+            except ApiError as e:
+                if e.kind != "overloaded" or deadline is not None and time.monotonic() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, OVERLOAD_POLL_MAX_S)
 
     # --- Info
 
@@ -159,7 +184,7 @@ class TeiServicer(tei_pb2_grpc.InfoServicer, tei_pb2_grpc.EmbedServicer, tei_pb2
     async def Rerank(self, request: tei_pb2.RerankRequest,
                      context: grpc.aio.ServicerContext) -> tei_pb2.RerankResponse:
         async def ranked() -> tuple[tei_pb2.RerankResponse, Headers]:
-            ranks, headers = await self._rerank(body_of(request))
+            ranks, headers = await self._admitted(self._rerank, body_of(request))
             return tei_pb2.RerankResponse(ranks=[tei_pb2.Rank(**r) for r in ranks], metadata=metadata(headers)), headers
 
         return await answer(context, ranked())
@@ -192,7 +217,7 @@ class TeiServicer(tei_pb2_grpc.InfoServicer, tei_pb2_grpc.EmbedServicer, tei_pb2
             group[1].append(count - 1)
         if first is None:
             raise ApiError("empty", "the RerankStream sent no request: send at least one (query, text)", "text")
-        answers = await asyncio.gather(*(self._rerank(body) for body, _ in groups.values()))
+        answers = await asyncio.gather(*(self._admitted(self._rerank, body) for body, _ in groups.values()))
         ranks = [{**rank, "index": indexes[rank["index"]]}
                  for (_, indexes), (group_ranks, _) in zip(groups.values(), answers) for rank in group_ranks]
         ranks.sort(key=lambda r: (-r["score"], r["index"]))
