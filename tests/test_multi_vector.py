@@ -153,6 +153,22 @@ def test_queries_and_documents_in_one_engine_step(colbert: Engine, colbert_minil
         assert got.shape == tuple(want.shape) and np.abs(got - want.numpy()).max() <= TOL
 
 
+@pytest.mark.parametrize("variant", ["prompts-fixed-masked-skiplist", "min-masked"])
+def test_split_engine_serves_queries_as_one_engine_does(variant: str, backbone: Path, tmp_path: Path) -> None:
+    """A split engine's API server tokenizes and expands a query (its `Frontend`), and its core receives the token
+    ids: their trailing expansion tokens are masked as keys again, so the vectors are those of one engine."""
+    from wde.core.frontend import Frontend, core_request
+
+    folder = build(backbone, tmp_path / variant, **VARIANTS[variant])
+    with Engine.from_workflow(None, folder) as engine:
+        frontend = Frontend(*resolve(None, folder), engine.info)
+        for i, (text, query) in enumerate(zip(TEXTS, engine.encode(TEXTS, QUERY))):
+            ready, = frontend.tokenize([frontend.make_request(text, QUERY, f"r{i}", "input")])
+            assert ready.token_ids == query.prompt_token_ids, text
+            done = engine.run([core_request(f"r{i}", ready.token_ids, ready.token_type_ids, QUERY)])
+            assert np.abs(done[f"r{i}"].outputs["colbert"] - query.outputs["colbert"]).max() <= 1e-6, text
+
+
 @pytest.mark.parametrize("similarity", ["maxsim", "meanmaxsim"])
 def test_maxsim_matches_similarity(colbert: Engine, colbert_minilm: Path, similarity: str) -> None:
     st = st_model(colbert_minilm)

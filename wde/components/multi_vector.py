@@ -34,7 +34,7 @@ from wde.components.request_processor import LazyTokenizeParams, LazyTokenizeReq
 from wde.components.scheduler import SchedulerOutput
 from wde.components.st_modules import StModule, after_pooling
 from wde.errors import ModelLoadError, RequestError
-from wde.request import PoolingParams, Prompt, Request, SchedulableRequest
+from wde.request import PoolingParams, Prompt, Request, SchedulableRequest, TokensPrompt
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +132,25 @@ class MultiVectorTokenize(LazyTokenizeRequestProcessor):
         result = super()._check_length(request, ids, types, limit)
         if task != "query" or self.expansion is None or not isinstance(result, SchedulableRequest):
             return result
-        missing = self.expansion.length - len(result.token_ids)
-        if missing <= 0:
-            return result
-        types = None if result.token_type_ids is None else result.token_type_ids + [0] * missing
-        return SchedulableRequest(request, result.token_ids + [self.expansion_id] * missing, types,  # type: ignore
-                                  masked_keys=0 if self.expansion.attend else missing)
+        return self._expand(result)
+
+    def _expand(self, query: SchedulableRequest) -> SchedulableRequest:
+        """`query` padded to the expansion length with the expansion token, its expansion tokens masked as keys
+        without `attend`. Token ids given as such count their trailing expansion tokens as expansion too (that is
+        how a split engine's core receives a query its API server expanded), except a query as long as the
+        expansion length or longer, which has none, as in sentence-transformers."""
+        ids, types, length = query.token_ids, query.token_type_ids, self.expansion.length  # type: ignore[union-attr]
+        missing = max(length - len(ids), 0)
+        ids = ids + [self.expansion_id] * missing  # type: ignore[list-item]
+        types = None if types is None else types + [0] * missing
+        expansion = missing
+        if isinstance(query.request.prompt, TokensPrompt) and len(ids) == length:
+            real = length
+            while real and ids[real - 1] == self.expansion_id:
+                real -= 1
+            expansion = length - real
+        masked = 0 if self.expansion.attend else expansion  # type: ignore[union-attr]
+        return SchedulableRequest(query.request, ids, types, masked_keys=masked)
 
 
 class MultiVectorInputBuilder(PackedInputBuilder):
