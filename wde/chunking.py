@@ -11,11 +11,13 @@ pooler's `finish_chunks` (dimensions, then the model's normalization). `usage` c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from wde.errors import RequestError
 from wde.request import RequestOutput, SchedulableRequest
+
+if TYPE_CHECKING:
+    import numpy as np
 
 Tokens = tuple[list[int], list[int] | None]
 
@@ -42,7 +44,7 @@ def split(ids: list[int], types: list[int] | None, limit: int,
 @dataclass
 class _Pending:
     count: int
-    vectors: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
+    vectors: dict[int, tuple["np.ndarray", int]] = field(default_factory=dict)
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     error: RequestError | None = None
     first: RequestOutput | None = None
@@ -77,6 +79,8 @@ class ChunkMerger:
         if len(p.token_ids) < count:
             return None
         del self._pending[rid]
+        import numpy as np  # here, not at import: the request processor imports this module, `wde validate` it
+
         first = p.first
         if p.error is not None:
             return RequestOutput(rid, error=p.error, queue_time=first.queue_time,
