@@ -108,6 +108,23 @@ def test_matches_sentence_transformers(variant: str, backbone: Path, tmp_path: P
         assert_parity(engine, st_model(folder), TEXTS)
 
 
+def test_prompts_as_sentence_transformers_picks_them(backbone: Path, tmp_path: Path) -> None:
+    """A folder whose prompts name neither `query` nor `document`: encode_query / encode_document apply none (not
+    `passage`, not `default_prompt_name`), and a request's `prompt_name` picks one."""
+    folder = build(backbone, tmp_path / "st", expansion={"strategy": "min", "length": 10})
+    _edit(folder / "config_sentence_transformers.json",
+          lambda cfg: cfg.update(prompts={"passage": "passage: ", "search": "search: "}, default_prompt_name="search"))
+    st = st_model(folder)
+    with Engine.from_workflow(None, folder) as engine:
+        assert_parity(engine, st, TEXTS)
+        for task, encode in (("query", st.encode_query), ("document", st.encode_document)):
+            params = PoolingParams(prompt_name="passage", options={"task": task})
+            got, = engine.encode([TEXTS[0]], params)
+            want = encode([TEXTS[0]], prompt_name="passage")[0]
+            assert got.outputs["colbert"].shape == tuple(want.shape)
+            assert np.abs(got.outputs["colbert"] - want.numpy()).max() <= TOL
+
+
 @pytest.fixture(scope="module")
 def colbert_minilm(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """all-MiniLM-L6-v2 as a classic ColBERT: [Q]/[D] prompts, 32-token fixed expansion without attend, 180-token
@@ -272,6 +289,27 @@ def test_folders_refused_by_name(case: str, backbone: Path, tmp_path_factory: py
     change(folder)
     with pytest.raises(ModelLoadError, match=message):
         Engine.from_workflow("multi_vector", folder)
+
+
+def test_attention_that_cannot_mask_keys_refused_for_masked_expansion(backbone: Path, tmp_path: Path) -> None:
+    """Query expansion without `attend` needs a backend that masks keys; one that cannot (a plugin's) is refused at
+    load, naming it, rather than letting queries attend to their expansion tokens. With `attend` it serves."""
+    from wde.components.attention.torch_sdpa import TorchSDPABackend
+    from wde.registry import get_registry
+
+    class NoKeyMask(TorchSDPABackend):
+        name = "test_no_key_mask"
+        supports_key_mask = False
+
+    registry = get_registry()
+    if NoKeyMask.name not in registry.components["attention"]:
+        registry.add_component(NoKeyMask, plugin="tests.test_multi_vector")
+    masked = build(backbone, tmp_path / "masked", expansion={"strategy": "fixed", "length": 8})
+    with pytest.raises(ModelLoadError, match="attention backend 'test_no_key_mask' cannot mask keys"):
+        Engine.from_workflow(None, masked, overrides=["attention.name=test_no_key_mask"])
+    attend = build(backbone, tmp_path / "attend", expansion={"strategy": "fixed", "length": 8, "attend": True})
+    with Engine.from_workflow(None, attend, overrides=["attention.name=test_no_key_mask"]) as engine:
+        assert_parity(engine, st_model(attend), TEXTS[:3])
 
 
 def test_plain_folder_refused_by_the_workflow(minilm_path: Path) -> None:

@@ -3,8 +3,8 @@ vector per scored token, with a query and a document side picked per request by 
 default, or `query`), as `encode_document` / `encode_query` do.
 
 The `task` changes three stages, and each component that reads it declares it (`TASKS`):
-- the input processor prepends the folder's `query` prompt for a query and its `document` (else `passage`, else
-  `corpus`) prompt for a document, unless the request names its own;
+- the input processor prepends the folder's `query` prompt to a query and its `document` prompt to a document,
+  unless the request names its own;
 - the request processor caps a query at `query_length` and a document at `document_length` (over it: refused
   unless the request truncates, as over the model's limit), and pads a query with the expansion token
   (`query_expansion`); without `attend`, its input builder masks those tokens as keys (`ModelInput.key_mask`);
@@ -40,10 +40,10 @@ log = logging.getLogger(__name__)
 
 OUTPUT = "colbert"
 """The output name: one vector per scored token, as bge-m3's ColBERT head gives."""
-_DOCUMENT_PROMPTS = ("document", "passage", "corpus")
 
 
 def task_of(params: PoolingParams) -> str:
+    """The request's task: 'document' (the default) or 'query'."""
     return params.option("task", TASKS[0])
 
 
@@ -57,8 +57,9 @@ class MultiVectorInput(TextInputProcessor):
 
     def __init__(self, params: TextInputParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
-        # sentence-transformers saves a prompt it has no text for as null and applies none
-        self.prompts = {name: text or "" for name, text in self.prompts.items()}
+        # A MultiVectorEncoder always has a `query` and a `document` prompt, empty (or saved as null) when the folder
+        # gives no text: encode_query / encode_document then apply none, never `default_prompt_name`.
+        self.prompts = {"query": "", "document": "", **{name: text or "" for name, text in self.prompts.items()}}
 
     def request_options(self) -> dict[str, tuple[str, ...]]:
         return {"task": TASKS}
@@ -67,10 +68,7 @@ class MultiVectorInput(TextInputProcessor):
         if params.dimensions is not None:
             raise RequestError("dimensions: a multi-vector model's token vectors cannot be truncated", "dimensions")
         if params.prompt is None and params.prompt_name is None:
-            names = ("query",) if task_of(params) == "query" else _DOCUMENT_PROMPTS
-            name = next((n for n in names if n in self.prompts), None)
-            if name is not None:
-                params = replace(params, prompt_name=name)
+            params = replace(params, prompt_name=task_of(params))
         return super().to_prompt(inputs, params, field)
 
 
