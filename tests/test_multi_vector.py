@@ -1,9 +1,10 @@
 """Late interaction (the `multi_vector` workflow) against sentence-transformers 6's own `MultiVectorEncoder`, on
 folders it saves here (fp32 CPU): each token matrix of `encode_query` / `encode_document` (same rows, <= 1e-4) with
 and without prompts, fixed and min query expansion with and without `attend`, skiplists on either side,
-`keep_only_token_ids`, chains of Dense modules, on a tiny random BERT with all-MiniLM-L6-v2's tokenizer and on
-all-MiniLM-L6-v2 itself; queries and documents in one engine step; `maxsim` against `similarity` (maxsim and
-meanmaxsim); the workflow picked from the folder; and what is refused, by name."""
+`keep_only_token_ids`, chains of Dense modules with a Normalize between them, on a tiny random BERT with
+all-MiniLM-L6-v2's tokenizer and on all-MiniLM-L6-v2 itself; queries and documents in one engine step, and through a
+split engine's API server and core; `maxsim` against `similarity` (maxsim and meanmaxsim); the workflow picked from
+the folder; and what is refused, by name."""
 
 from __future__ import annotations
 
@@ -47,9 +48,10 @@ def backbone(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path) -> Pat
 def build(backbone: Path, out: Path, *, prompts: dict | None = None, expansion: dict | None = None,
           query_length: int | None = None, document_length: int | None = None, skiplist: list[str] | None = None,
           skiplist_tasks: list[str] | None = None, keep_only: list[int] | None = None, dims: tuple[int, ...] = (16,),
-          similarity: str | None = None) -> Path:
+          similarity: str | None = None, normalize_between: bool = False) -> Path:
     """A MultiVectorEncoder folder saved by sentence-transformers, as a user builds one: Transformer, per-token
-    Dense modules (the first linear, any further ones with tanh and a bias), MultiVectorMask, per-token Normalize."""
+    Dense modules (the first linear, any further ones with tanh and a bias, with `normalize_between` each after a
+    per-token Normalize), MultiVectorMask, per-token Normalize."""
     from sentence_transformers import MultiVectorEncoder
     from sentence_transformers.base.modules import Dense, Normalize, Transformer
     from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
@@ -60,6 +62,8 @@ def build(backbone: Path, out: Path, *, prompts: dict | None = None, expansion: 
     width = transformer.get_embedding_dimension()
     modules: list = [transformer]
     for i, dim in enumerate(dims):
+        if i and normalize_between:
+            modules.append(Normalize(module_input_name="token_embeddings"))
         modules.append(Dense(width, dim, bias=i > 0, activation_function=torch.nn.Tanh() if i else None,
                              module_input_name="token_embeddings"))
         width = dim
@@ -94,7 +98,7 @@ VARIANTS = {
     "min-attend-own-token": dict(expansion={"strategy": "min", "length": 10, "attend": True, "token": "[unused1]"}),
     "no-expansion-both-sides-skiplist": dict(prompts={"passage": "passage: "}, query_length=8, document_length=20,
                                              skiplist=[",", ".", "notaword"], skiplist_tasks=["query", "document"],
-                                             dims=(24, 16), similarity="meanmaxsim"),
+                                             dims=(24, 16), normalize_between=True, similarity="meanmaxsim"),
     "keep-only-ids": dict(keep_only=[1996, 1010, 1012, 2003], skiplist=["."]),
 }
 
