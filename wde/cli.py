@@ -152,6 +152,11 @@ def _split_list(values: tuple[str, ...]) -> list[str]:
               help="override a workflow value, e.g. scheduler.params.max_num_batched_tokens=8192 (repeatable); part"
                    " of the job, so --resume needs the same ones")
 @click.option("--truncate/--no-truncate", default=False, help="truncate over-long inputs instead of failing")
+@click.option("--long-inputs", default=None, type=click.Choice(["refuse", "truncate", "chunk"]),
+              help="an input longer than the model: refuse it (the default), truncate it (as --truncate), or embed"
+                   " it in chunks averaged by token count (dense embeddings)")
+@click.option("--max-embed-len", default=None, type=click.IntRange(min=1), metavar="TOKENS",
+              help="with --long-inputs chunk: the most tokens one input may have (default: no bound)")
 @click.option("--prompt-name", default=None, metavar="NAME",
               help="prefix every text with this named prompt, from the model's config_sentence_transformers.json"
                    " or the workflow's input_processor.params.prompts (e.g. query for bge models)")
@@ -179,7 +184,8 @@ def _split_list(values: tuple[str, ...]) -> list[str]:
 def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_field: str | None,
           id_field: str | None, outputs: str,
           workflow: str | None, model: str | None, overrides: tuple[str, ...], truncate: bool,
-          prompt_name: str | None, skip_blank: bool, shard_size: int, max_line_bytes: int, resume: bool,
+          long_inputs: str | None, max_embed_len: int | None, prompt_name: str | None, skip_blank: bool,
+          shard_size: int, max_line_bytes: int, resume: bool,
           overwrite: bool, workers: int, devices: str | None, ray_address: str | None, progress: bool | None,
           trust_remote_code: bool) -> None:
     """Embed a corpus into parquet (ids + vectors) or .npy, streaming, resumable, on one or many devices.
@@ -194,12 +200,19 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_fi
     from wde.corpus.signals import Interrupted, SignalGuard
     from wde.errors import RequestError
 
+    if truncate and long_inputs not in (None, "truncate"):
+        raise click.BadParameter(f"--truncate contradicts --long-inputs {long_inputs}; give one",
+                                 param_hint="--long-inputs")
+    if max_embed_len is not None and long_inputs != "chunk":
+        raise click.BadParameter("bounds chunked processing: give it with --long-inputs chunk",
+                                 param_hint="--max-embed-len")
     try:
         if text_field is None and image_field is None:
             text_field = "text"
         job = EmbedJob(inputs=tuple(_split_list(inputs)), output=output, text_field=text_field,
                        image_field=image_field, id_field=id_field,
-                       outputs=tuple(_split_list((outputs,))), truncate=truncate, prompt_name=prompt_name,
+                       outputs=tuple(_split_list((outputs,))), truncate=truncate or long_inputs == "truncate",
+                       chunk=long_inputs == "chunk", max_embed_len=max_embed_len, prompt_name=prompt_name,
                        skip_blank=skip_blank, shard_size=shard_size, max_line_bytes=max_line_bytes,
                        workflow=workflow, model=model, overrides=overrides, trust_remote_code=trust_remote_code)
     except ValidationError as e:
@@ -279,6 +292,12 @@ def image_limit_overrides(**limits: float | None) -> list[str]:
 @click.option("--token-id-inputs/--no-token-id-inputs", default=True, show_default=True,
               help="accept inputs given as token ids; --no-token-id-inputs refuses them (422), for clients that send"
                    " another tokenizer's ids (langchain-openai's OpenAIEmbeddings by default)")
+@click.option("--long-inputs", default="refuse", show_default=True, type=click.Choice(["refuse", "truncate", "chunk"]),
+              help="an input longer than the model, where its request does not say: refuse it (422), truncate it,"
+                   " or embed it in chunks averaged by token count (vLLM's chunked processing; dense embeddings)")
+@click.option("--max-embed-len", default=None, type=int, metavar="TOKENS",
+              help="with --long-inputs chunk: the most tokens one input may have (more is 422; default 16 times the"
+                   " model's limit)")
 @click.option("--request-timeout", default=300.0, show_default=True, type=float, metavar="SECONDS",
               help="abort a request the engine has not answered within this long (queued or running) and answer 503"
                    " with Retry-After; 0: no deadline")
@@ -323,7 +342,8 @@ def image_limit_overrides(**limits: float | None) -> list[str]:
 def serve(workflow: str | None, model: str | None, host: str, port: int, grpc_port: int | None, api_key: str | None,
           served_model_name: str | None, overrides: tuple[str, ...], max_client_batch_size: int,
           max_concurrent_requests: int, payload_limit: int | None, trust_remote_code: bool, access_log: bool,
-          quantization_ranges: str | None, api_servers: str, token_id_inputs: bool, request_timeout: float,
+          quantization_ranges: str | None, api_servers: str, token_id_inputs: bool, long_inputs: str,
+          max_embed_len: int | None, request_timeout: float,
           stall_timeout: float, header_timeout: float, body_timeout: float, allowed_origins: tuple[str, ...],
           allow_image_fetch: tuple[str, ...], image_fetch_timeout: float, image_fetch_max_urls: int,
           image_fetch_max_bytes: int, image_fetch_deadline: float, image_fetch_connections: int,
@@ -352,6 +372,7 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, grpc_po
                               max_concurrent_requests=max_concurrent_requests, payload_limit=payload_limit,
                               trust_remote_code=trust_remote_code, access_log=access_log,
                               quantization_ranges=quantization_ranges, token_id_inputs=token_id_inputs,
+                              long_inputs=long_inputs, max_embed_len=max_embed_len,  # type: ignore[arg-type]
                               request_timeout=request_timeout, stall_timeout=stall_timeout,
                               header_timeout=header_timeout, body_timeout=body_timeout,
                               allowed_origins=tuple(_split_list(allowed_origins)),
@@ -362,9 +383,9 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, grpc_po
     except LimitError as e:  # a start-up refusal like any other: one line naming the option, exit 1
         raise click.ClickException(e.message(e.option)) from None
     except ValueError as e:
-        hint = ("--api-key" if "api_key" in str(e) else "--quantization-ranges" if "quantization" in str(e)
-                else "--allowed-origins" if "origin" in str(e) else "--allow-image-fetch" if "image_fetch" in str(e)
-                else None)
+        hint = ("--api-key" if "api_key" in str(e) else "--max-embed-len" if "max_embed_len" in str(e)
+                else "--quantization-ranges" if "quantization" in str(e) else "--allowed-origins" if "origin" in str(e)
+                else "--allow-image-fetch" if "image_fetch" in str(e) else None)
         raise click.BadParameter(str(e), param_hint=hint) from None
     if api_servers != "auto" and not (api_servers.isdigit() and int(api_servers) <= 64):
         raise click.BadParameter(f"must be 'auto' or a number of processes from 0 to 64, got {api_servers!r}",

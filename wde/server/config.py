@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
@@ -29,6 +30,14 @@ class ServerConfig:
     """Accept token-id inputs (a list of ints, `{"token_ids": ...}`), as vLLM and TEI do; False refuses them
     with a 422 naming the input (`wde serve --no-token-id-inputs`), for clients that send another tokenizer's
     ids (langchain-openai's OpenAIEmbeddings sends tiktoken cl100k ids by default)."""
+    long_inputs: Literal["refuse", "truncate", "chunk"] = "refuse"
+    """What an input longer than the model gets where its request does not say (`wde serve --long-inputs`): a 422
+    (refuse), truncation to the model's limit (truncate), or chunked processing (chunk: wde/chunking.py, within
+    `max_embed_len`; dense embeddings only). A request that asks to truncate (`truncate`, `truncate_prompt_tokens`,
+    Cohere's START/END) is truncated, and Cohere's NONE refuses, whatever this says."""
+    max_embed_len: int | None = None
+    """With long_inputs=chunk, the most tokens one input may have in all (more is a 422); None: 16 times the
+    model's limit (`Service.max_embed_len`)."""
     trust_remote_code: bool = False
     access_log: bool = False
     """One log line per request; off by default because formatting it costs more than a small model's batch."""
@@ -98,6 +107,11 @@ class ServerConfig:
             raise ValueError("api_key is empty: an empty key would turn authentication off; give a key, or none")
         check_limits(self)
         check_grpc_port(self.grpc_port)
+        if self.long_inputs not in LONG_INPUTS:
+            raise ValueError(f"long_inputs must be one of {', '.join(LONG_INPUTS)}, got {self.long_inputs!r}")
+        if self.max_embed_len is not None and self.long_inputs != "chunk":
+            raise ValueError("max_embed_len bounds chunked processing; give it with long_inputs=chunk"
+                             " (--long-inputs chunk)")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.allowed_origins:
@@ -114,6 +128,7 @@ class ServerConfig:
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+LONG_INPUTS = ("refuse", "truncate", "chunk")
 
 
 class LimitError(ValueError):
@@ -141,6 +156,7 @@ AT_LEAST_ONE = {
     "image_fetch_max_urls": "with 0 every image URL would be refused",
     "image_fetch_max_bytes": "with 0 every fetched image would be refused",
     "image_fetch_connections": "with 0 no image could be fetched",
+    "max_embed_len": "with 0 every input would be refused",
 }
 """Integer settings whose minimum is 1, with why a smaller value is meaningless."""
 SECONDS_OR_ZERO = ("request_timeout", "stall_timeout", "header_timeout", "body_timeout")
@@ -154,7 +170,7 @@ def check_limits(config: ServerConfig) -> None:
     numbers here) at least 1, timeouts finite and not negative (0 where it means no limit, else above 0)."""
     for name, why in AT_LEAST_ONE.items():
         value = getattr(config, name)
-        if value is None and name == "payload_limit":
+        if value is None and name in ("payload_limit", "max_embed_len"):
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise LimitError(name, value, "an integer, at least 1", why)

@@ -46,6 +46,7 @@ from wde.server.api_server import api_server_main, routing_id
 from wde.server.grpc import prepare as prepare_grpc
 from wde.server.heap import frozen_heap
 from wde.server.listeners import SplitListeners
+from wde.server.service import check_long_inputs
 from wde.server.startup import StartupError
 
 if TYPE_CHECKING:
@@ -122,6 +123,7 @@ def run_split_server(config: ServerConfig, api_servers: int) -> int:
             info = _await_ready(core, ready, stopping)
             if info is None:
                 return 0
+            check_long_inputs(config, info)
             apis = _ApiServers(ctx, config, info, address, listeners, metrics_dir)
             apis.start(first)
             first = []
@@ -383,7 +385,6 @@ def _core_main(config: ServerConfig, address: str, ready: Connection) -> None:
     """The engine core process."""
     from wde.core.engine_core import EngineCore
     from wde.engine import Engine
-    from wde.engine_info import EngineInfo
     from wde.errors import ModelLoadError
     from wde.server.app import _log_to_stderr
     from wde.server.metrics import ServerMetrics
@@ -407,7 +408,7 @@ def _core_main(config: ServerConfig, address: str, ready: Connection) -> None:
         core = EngineCore(engine, address, on_step=lambda c: metrics.on_core_step(
             int(getattr(c.engine.scheduler, "num_waiting", 0)), c.restarts.used))
         _stop_on_launcher_signal(core, launcher)
-        ready.send(("ready", EngineInfo.of(engine)))
+        ready.send(("ready", engine.info))
         ready.close()
         with frozen_heap():
             code = core.run()

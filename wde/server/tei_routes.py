@@ -52,7 +52,7 @@ async def embed_rows(request: Request, raw: Any) -> tuple[list[Any], dict[str, s
     svc = service(request)
     body = parse(TeiEmbedRequest, raw)
     svc.require("dense", "/embed")
-    params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
+    params = PoolingParams(**svc.long_inputs(body.truncate or None), truncation_direction=body.truncation_direction,
                            normalize=body.normalize, prompt_name=body.prompt_name, dimensions=body.dimensions,
                            outputs=("dense",))
     result = await svc.run(request, embed_items(body.inputs), params, "inputs", item_names("inputs", body.inputs))
