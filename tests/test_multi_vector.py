@@ -319,3 +319,28 @@ def test_attention_that_cannot_mask_keys_refused_for_masked_expansion(backbone: 
 def test_plain_folder_refused_by_the_workflow(minilm_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="serves sentence-transformers MultiVectorEncoder folders"):
         Engine.from_workflow("multi_vector", minilm_path)
+
+
+def test_wde_embed_writes_multi_vector_rows_for_queries_and_documents(colbert: Engine, colbert_minilm: Path,
+                                                                      tmp_path: Path) -> None:
+    """`wde embed --outputs colbert` writes one list of token vectors per record; `--option task=query` embeds the
+    records as queries; an option the workflow does not take is refused naming --option."""
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+
+    from wde.cli import main
+
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(TEXTS[:3]) + "\n", encoding="utf-8")
+    for task, params in (("document", DOCUMENT), ("query", QUERY)):
+        out = tmp_path / f"{task}.parquet"
+        done = CliRunner().invoke(main, ["embed", "-m", str(colbert_minilm), "--input", str(src), "--output", str(out),
+                                         "--outputs", "colbert", "--option", f"task={task}", "--truncate"])
+        assert done.exit_code == 0, done.output
+        rows = pq.read_table(out).column("colbert").to_pylist()
+        want = colbert.encode(TEXTS[:3], params)
+        for row, w in zip(rows, want):
+            assert np.abs(np.array(row) - w.outputs["colbert"]).max() <= 1e-6
+    bad = CliRunner().invoke(main, ["embed", "-m", str(colbert_minilm), "--input", str(src), "--output",
+                                    str(tmp_path / "x.parquet"), "--outputs", "colbert", "--option", "task=passage"])
+    assert bad.exit_code == 1 and "--option: option task='passage'" in bad.output, bad.output

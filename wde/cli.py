@@ -125,6 +125,17 @@ def plugins(fmt: str) -> None:
             click.echo(f"  {key}: {', '.join(sorted(items))}")
 
 
+def _options(values: tuple[str, ...]) -> dict[str, str]:
+    """`--option NAME=VALUE` values as a mapping (the engine refuses a name or value its workflow does not take)."""
+    options: dict[str, str] = {}
+    for value in values:
+        name, sep, setting = value.partition("=")
+        if not sep or not name.strip() or not setting.strip():
+            raise click.BadParameter(f"must be NAME=VALUE, got {value!r}", param_hint="--option")
+        options[name.strip()] = setting.strip()
+    return options
+
+
 def _split_list(values: tuple[str, ...]) -> list[str]:
     return [v.strip() for value in values for v in value.split(",") if v.strip()]
 
@@ -160,6 +171,10 @@ def _split_list(values: tuple[str, ...]) -> list[str]:
 @click.option("--prompt-name", default=None, metavar="NAME",
               help="prefix every text with this named prompt, from the model's config_sentence_transformers.json"
                    " or the workflow's input_processor.params.prompts (e.g. query for bge models)")
+@click.option("--option", "options", multiple=True, metavar="NAME=VALUE",
+              help="a per-request option of the workflow for every record, e.g. task=query for a late-interaction"
+                   " (multi_vector) model's queries (repeatable; an option the workflow does not take is refused,"
+                   " naming those it takes)")
 @click.option("--skip-blank", is_flag=True, default=False,
               help=".txt: skip blank lines (default: a blank line is an error, so rows line up with lines)")
 @click.option("--shard-size", default=4096, show_default=True, type=click.IntRange(min=1),
@@ -184,7 +199,8 @@ def _split_list(values: tuple[str, ...]) -> list[str]:
 def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_field: str | None,
           id_field: str | None, outputs: str,
           workflow: str | None, model: str | None, overrides: tuple[str, ...], truncate: bool,
-          long_inputs: str | None, max_embed_len: int | None, prompt_name: str | None, skip_blank: bool,
+          long_inputs: str | None, max_embed_len: int | None, prompt_name: str | None, options: tuple[str, ...],
+          skip_blank: bool,
           shard_size: int, max_line_bytes: int, resume: bool,
           overwrite: bool, workers: int, devices: str | None, ray_address: str | None, progress: bool | None,
           trust_remote_code: bool) -> None:
@@ -213,6 +229,7 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_fi
                        image_field=image_field, id_field=id_field,
                        outputs=tuple(_split_list((outputs,))), truncate=truncate or long_inputs == "truncate",
                        chunk=long_inputs == "chunk", max_embed_len=max_embed_len, prompt_name=prompt_name,
+                       options=_options(options),
                        skip_blank=skip_blank, shard_size=shard_size, max_line_bytes=max_line_bytes,
                        workflow=workflow, model=model, overrides=overrides, trust_remote_code=trust_remote_code)
     except ValidationError as e:

@@ -48,10 +48,17 @@ class ShardEmbedder:
         if job.chunk and not (engine.chunkable and job.outputs == ("dense",)):
             raise CorpusError(f"--long-inputs chunk: chunked processing gives dense embeddings only, and workflow"
                               f" {engine.workflow.name!r} with --outputs {','.join(job.outputs)} cannot be chunked")
+        if job.options:
+            from wde.engine import check_options
+
+            try:
+                check_options(job.options, engine.request_options, engine.workflow.name)
+            except RequestError as e:
+                raise CorpusError(f"--option: {e}") from None
         self.engine = engine
         self.job = job
         self.params = PoolingParams(truncate=job.truncate, chunk=job.chunk, max_embed_len=job.max_embed_len,
-                                    prompt_name=job.prompt_name,
+                                    prompt_name=job.prompt_name, options=dict(job.options) or None,
                                     outputs=None if job.outputs == ("dense",) else job.outputs)
         self.open_images = open_images(engine)
         """Image requests admitted and not finished at most: room for the batches the executor keeps in flight

@@ -41,6 +41,8 @@ class EmbedJob(BaseModel):
         "embed a text longer than the model in chunks averaged by token count (wde/chunking.py); dense only"))
     max_embed_len: int | None = Field(None, gt=0, description="with `chunk`: the most tokens one text may have")
     prompt_name: str | None = None
+    options: dict[str, str] = Field(default_factory=dict, description=(
+        "per-request options of the workflow (e.g. task=query for a late-interaction model), each record's"))
     skip_blank: bool = Field(False, description=".txt: skip blank lines instead of refusing them")
     shard_size: int = Field(4096, gt=0, description="records per output shard (the unit of resume)")
     max_line_bytes: int = Field(16 * 1024 * 1024, gt=0,
