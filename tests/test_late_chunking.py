@@ -8,12 +8,17 @@ mean (Dense, Normalize). Token ranges are checked against the Hugging Face token
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
+from typing import Iterator
 
+import httpx
 import numpy as np
 import pytest
 import torch
 
+from tests import tiny_heads
+from tests.test_server import serve, serve_split
 from wde import Engine
 from wde.errors import RequestError
 from wde.components.pooler import TOKENS
@@ -230,7 +235,8 @@ def test_bad_spans_and_chunkers_are_refused_by_name(minilm_engine: Engine, kwarg
     assert e.value.field == field, str(e.value)
 
 
-def test_spans_the_engine_cannot_honour_are_refused(minilm_engine: Engine, tiny_bert: Path) -> None:
+def test_spans_the_engine_cannot_honour_are_refused(minilm_engine: Engine, minilm_path: Path,
+                                                   tmp_path: Path) -> None:
     ids = list(range(101, 111))
     for params, inputs, field in [
         (PoolingParams(spans=((0, 3),)), "a text", "spans"),  # tokenized only later
@@ -243,10 +249,103 @@ def test_spans_the_engine_cannot_honour_are_refused(minilm_engine: Engine, tiny_
         with pytest.raises(RequestError) as e:
             minilm_engine.make_request(inputs, params)
         assert e.value.field == field, str(e.value)
-    with Engine.from_workflow("bert", tiny_bert, overrides=["pooler.params.pooling=all"]) as engine:
+    # a pooler that is no SpanPooling (a classifier's), and one that cannot as built (modes concatenated)
+    classifier = tiny_heads.build_minilm_classifier(minilm_path, tmp_path / "classifier", num_labels=2)
+    with Engine.from_workflow(None, classifier) as engine:
+        with pytest.raises(RequestError, match="pools token spans"):
+            engine.make_request(ids, PoolingParams(spans=((0, 3),)))
+        with pytest.raises(RequestError, match="pools token spans"):
+            engine.late_chunk(TEXT)
+    concat_folder(minilm_path, tmp_path / "concat")
+    with Engine.from_workflow(None, tmp_path / "concat") as engine:
         assert not engine.span_pooling
         with pytest.raises(RequestError, match="pools token spans") as e:
             engine.make_request(ids, PoolingParams(spans=((0, 3),)))
         assert e.value.field == "spans"
-        with pytest.raises(RequestError, match="pools token spans"):
-            engine.late_chunk(TEXT)
+
+
+def concat_folder(minilm_path: Path, out: Path) -> None:
+    """The MiniLM with a Pooling that concatenates the CLS and mean states (no Dense: 768 wide)."""
+    from sentence_transformers import SentenceTransformer
+
+    try:
+        from sentence_transformers.sentence_transformer import modules as models  # sentence-transformers >= 6
+    except ImportError:
+        from sentence_transformers import models
+
+    transformer = SentenceTransformer(str(minilm_path), device="cpu")[0]
+    SentenceTransformer(modules=[transformer, models.Pooling(384, ["cls", "mean"])], device="cpu").save(str(out))
+
+
+@pytest.fixture(scope="module")
+def server(minilm_path: Path) -> Iterator[str]:
+    with Engine.from_workflow("bert", minilm_path) as engine, serve(engine) as (url, _):
+        yield url
+
+
+def _check_http(url: str, engine: Engine) -> None:
+    """Both shapes on /v1/embeddings give `Engine.late_chunk`'s chunks, ranges reported back."""
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": SENTENCES, "late_chunking": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    want = engine.late_chunk(SENTENCES)
+    assert [d["index"] for d in body["data"]] == list(range(len(SENTENCES)))
+    assert [tuple(d["char_range"]) for d in body["data"]] == [c.char_range for c in want]
+    assert [tuple(d["token_range"]) for d in body["data"]] == [c.token_range for c in want]
+    assert np.abs(np.array([d["embedding"] for d in body["data"]]) - np.stack([c.vector for c in want])).max() <= TOL
+    assert body["usage"]["prompt_tokens"] == want[-1].token_range[1] + 1
+    spans = [[0, 6], [7, 60]]
+    for extra, expected in [({}, engine.late_chunk(TEXT, [(0, len(TEXT))])),  # one text, Jina's: one chunk
+                            ({"chunker": "tokens", "chunk_tokens": 9}, engine.late_chunk(TEXT, chunker="tokens",
+                                                                                         chunk_tokens=9)),
+                            ({"spans": spans, "dimensions": 8}, engine.late_chunk(TEXT, spans, dimensions=8)),
+                            ({"chunker": "sentences"}, engine.late_chunk(TEXT))]:
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": TEXT, "late_chunking": True, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        data = r.json()["data"]
+        assert [(tuple(d["char_range"]), tuple(d["token_range"])) for d in data] == \
+            [(c.char_range, c.token_range) for c in expected]
+        assert np.abs(np.array([d["embedding"] for d in data]) - np.stack([c.vector for c in expected])).max() <= TOL
+    as_base64 = {"input": SENTENCES, "late_chunking": True, "encoding_format": "base64"}
+    r = httpx.post(f"{url}/v1/embeddings", json=as_base64, timeout=60)
+    got = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in r.json()["data"]])
+    assert np.abs(got - np.stack([c.vector for c in want])).max() <= TOL
+
+
+def test_http_late_chunking(server: str, minilm_engine: Engine) -> None:
+    _check_http(server, minilm_engine)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"input": TEXT, "spans": [[0, 5]]}, "spans"),
+    ({"input": TEXT, "late_chunking": False, "chunker": "sentences"}, "chunker"),
+    ({"input": TEXT, "late_chunking": "yes"}, "late_chunking"),
+    ({"input": TEXT, "late_chunking": True, "spans": [[0, 5000]]}, "spans[0]"),
+    ({"input": TEXT, "late_chunking": True, "spans": [[0, 5, 7]]}, "spans.0"),
+    ({"input": TEXT, "late_chunking": True, "chunker": "tokens"}, "chunk_tokens"),
+    ({"input": [TEXT, "b"], "late_chunking": True, "chunker": "sentences"}, "input"),
+    ({"input": [[101, 102]], "late_chunking": True}, "input"),
+    ({"input": ["a", " "], "late_chunking": True}, "input[1]"),
+    ({"input": " ", "late_chunking": True}, "input"),
+    ({"input": TEXT * 40, "late_chunking": True}, "input"),
+    ({"messages": [{"role": "user", "content": "hi"}], "late_chunking": True}, "messages"),
+])
+def test_http_refusals_name_the_field(server: str, body: dict, field: str) -> None:
+    r = httpx.post(f"{server}/v1/embeddings", json=body, timeout=60)
+    empty = body.get("input") in (["a", " "], " ")
+    assert r.status_code == (400 if empty else 422), r.text  # an empty input is a 400, as anywhere
+    assert r.json()["error"]["param"] == field, r.text
+
+
+def test_http_late_chunking_false_is_plain_embeddings(server: str, minilm_engine: Engine) -> None:
+    for flag in (False, None):
+        r = httpx.post(f"{server}/v1/embeddings", json={"input": SENTENCES[:2], "late_chunking": flag}, timeout=60)
+        assert r.status_code == 200, r.text
+        got = np.array([d["embedding"] for d in r.json()["data"]])
+        assert np.abs(got - minilm_engine.embed(SENTENCES[:2])).max() <= TOL
+
+
+def test_http_late_chunking_on_a_split_server(minilm_path: Path, minilm_engine: Engine) -> None:
+    """The spans travel to the engine core in `PoolingParams`, the chunk vectors come back."""
+    with serve_split(minilm_path, 1) as (url, _):
+        _check_http(url, minilm_engine)

@@ -18,6 +18,7 @@ from wde.request import PoolingParams
 from wde.server.chat_embeddings import chat_input
 from wde.server.errors import ApiError
 from wde.server.image_inputs import image_inputs, require_images
+from wde.server.late_chunking import LateChunkingRequest, asked, late_chunks
 from wde.server.protocol import (ChatEmbeddingRequest, EmbeddingOptions, EmbeddingRequest, PoolingRequest, body_schema,
                                  embed_items, item_names, parse, read_json)
 from wde.server.quantize import quantize_rows, to_base64
@@ -40,11 +41,18 @@ def encode_vector(vector: np.ndarray, encoding_format: str) -> np.ndarray | str:
     return np.ascontiguousarray(vector)
 
 
-@router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingRequest, ChatEmbeddingRequest))
-@router.post("/embeddings", openapi_extra=body_schema(EmbeddingRequest, ChatEmbeddingRequest))
+@router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingRequest, ChatEmbeddingRequest, LateChunkingRequest))
+@router.post("/embeddings", openapi_extra=body_schema(EmbeddingRequest, ChatEmbeddingRequest, LateChunkingRequest))
 async def embeddings(request: Request) -> JSONResponse:
     svc = service(request)
     raw = await read_json(request)
+    if asked(raw):  # late chunking: one vector per chunk of a document (wde/server/late_chunking.py)
+        body, chunks, result = await late_chunks(request, svc, raw)
+        vectors = quantize_rows([c.vector for c in chunks], body.embed_dtype, svc.config.quantization_ranges,
+                                "embed_dtype")
+        return _list_response(svc, [{"object": "embedding", "embedding": encode_vector(v, body.encoding_format),
+                                     "index": i, "char_range": list(c.char_range), "token_range": list(c.token_range)}
+                                    for i, (c, v) in enumerate(zip(chunks, vectors))], result)
     if isinstance(raw, dict) and "messages" in raw:
         chat = parse(ChatEmbeddingRequest, raw)
         if "input" in raw:
