@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 import dataclasses
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -36,7 +36,6 @@ from wde.components.tokenizer import HFTokenizer
 from wde.errors import RequestError
 from wde.request import PoolingParams, Request, RequestOutput, TextPrompt, TokensPrompt
 
-Chunker = Literal["sentences", "tokens"]
 CHUNKERS: tuple[str, ...] = ("sentences", "tokens")
 
 JOINER = " "
