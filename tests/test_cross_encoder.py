@@ -137,6 +137,8 @@ def test_cross_encoder_rejects_single_texts_and_bad_top_n(ce_engine: Engine) -> 
     assert ce_engine.rerank("q", []) == []
 
 
-def test_embedding_workflow_cannot_score(minilm_engine: Engine) -> None:
-    with pytest.raises(RequestError, match="score"):
-        minilm_engine.score([("a", "b")])
+def test_embedding_workflow_scores_with_cosine(minilm_engine: Engine) -> None:
+    """An embedder scores with its scorer (tests/test_scorer.py); a cross-encoder's activation is refused."""
+    assert minilm_engine.score([("a", "b")]).shape == (1,)
+    with pytest.raises(RequestError, match="activation"):
+        minilm_engine.score([("a", "b")], activation=True)

@@ -301,14 +301,11 @@ def test_bad_input_gets_tei_s_status(client: Client) -> None:
     assert refused(client.embed.Embed, tei_pb2.EmbedRequest(inputs="x", truncation_direction=7)).code() == \
         codes.INVALID_ARGUMENT
     assert refused(client.tokenize.Decode, tei_pb2.DecodeRequest(ids=[10**9])).code() == codes.INVALID_ARGUMENT
-    # methods an embedder cannot answer: TEI's FAILED_PRECONDITION
-    for call, message in ((client.rerank.Rerank, tei_pb2.RerankRequest(query="q", texts=["a"])),
-                          (client.predict.Predict, tei_pb2.PredictRequest(inputs="a")),
+    # methods an embedder cannot answer (it reranks with its scorer, cosine): TEI's FAILED_PRECONDITION
+    for call, message in ((client.predict.Predict, tei_pb2.PredictRequest(inputs="a")),
                           (client.embed.EmbedSparse, tei_pb2.EmbedSparseRequest(inputs="a"))):
         error = refused(call, message)
         assert error.code() == codes.FAILED_PRECONDITION, (call, error.details())
-    assert refused(client.rerank.RerankStream, iter([tei_pb2.RerankStreamRequest(query="q", text="a")])).code() == \
-        codes.FAILED_PRECONDITION
     assert client.embed.Embed(tei_pb2.EmbedRequest(inputs="still serving")).embeddings
     assert httpx.get(client.url + "/health").status_code == 200
 

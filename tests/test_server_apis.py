@@ -186,7 +186,7 @@ def test_cohere_client_rerank_v2(reranker: tuple[str, Engine]) -> None:
 
 
 def test_v2_routes_on_the_wrong_model_are_424(url: str, reranker: tuple[str, Engine]) -> None:
-    assert httpx.post(f"{url}/v2/rerank", json={"query": "q", "documents": ["a"]}).status_code == 424
+    # an embedder reranks with its scorer (cosine): tests/test_scorer.py
     wrong = httpx.post(f"{reranker[0]}/v2/embed", json={"texts": ["a"]})
     assert wrong.status_code == 424 and "embedding model" in wrong.json()["error"]["message"]
 

@@ -90,8 +90,8 @@ def test_vertex_errors_name_the_instance(url: str) -> None:
     assert not_objects.status_code == 422 and "instances" in not_objects.json()["error"]
     missing = _post(url, "/vertex", {"inputs": "a"})
     assert missing.status_code == 422 and "instances" in missing.json()["error"]
-    rerank_on_embedder = _post(url, "/vertex", {"instances": [{"query": "q", "texts": ["t"]}]})
-    assert rerank_on_embedder.status_code == 424 and rerank_on_embedder.json()["error_type"] == "Backend"
+    rerank_on_embedder = _post(url, "/vertex", {"instances": [{"query": "q", "texts": ["t"]}]})  # its scorer: cosine
+    assert rerank_on_embedder.status_code == 200 and rerank_on_embedder.json()["predictions"][0][0]["index"] == 0
 
 
 def test_vertex_runs_many_instances_in_order(url: str) -> None:

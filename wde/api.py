@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from wde.components.params import AttentionParams, ModelParams, SentencePoolerParams
     from wde.components.pooler import (Pooled, SentencePooler, SpanPooling, StPooling, finish_embeddings, pool,
                                       segment_ids, st_pooling, st_pooling_mode)
+    from wde.components.scorer import Scorer, ScoringPlan, scoring_plan
     from wde.components.tokenizer import HFTokenizer, HFTokenizerParams
     from wde.errors import ModelLoadError, RequestError
     from wde.late_chunking import LateChunk
@@ -95,6 +96,10 @@ _PUBLIC: dict[str, str] = {
     "SentencePoolerParams": "wde.components.params",
     "SpanPooling": "wde.components.pooler",
     "LateChunk": "wde.late_chunking",
+    # scorers
+    "Scorer": "wde.components.scorer",
+    "ScoringPlan": "wde.components.scorer",
+    "scoring_plan": "wde.components.scorer",
 }
 
 __all__ = sorted(_PUBLIC)

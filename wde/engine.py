@@ -25,6 +25,7 @@ from wde.components.base import COMPONENT_KINDS, BuildContext
 from wde.chunking import ChunkMerger
 from wde.components.pooler import ChunkedPooling, Pooled, SpanPooling
 from wde.components.scheduler import SchedulerOutput
+from wde.components.scorer import Scorer, scoring_plan
 from wde.engine_info import EngineInfo
 from wde.errors import ModelLoadError, RequestError, internal_error, one_line
 from wde.late_chunking import Document, LateChunk, check_spans, join, prepare, refuse_spans
@@ -212,6 +213,8 @@ class Engine:
         self._chunks = ChunkMerger(ctx.pooler.finish_chunks if self.chunkable else None)
         self.span_pooling: bool = isinstance(ctx.pooler, SpanPooling) and ctx.pooler.pools_spans()
         """Whether token spans of an input may be pooled (`PoolingParams.spans`, late chunking: `late_chunk`)."""
+        self.scorer: Scorer = ctx.scorer
+        """How this workflow scores a query against documents (`score`, `rerank`, the server's scoring routes)."""
         self.request_options: dict[str, tuple[str, ...]] = declared_options(self.components, workflow.name)
         """The per-request options this workflow takes (`PoolingParams.options`), each with its values."""
         self.info: EngineInfo = EngineInfo.of(self)
@@ -536,18 +539,37 @@ class Engine:
 
     def score(self, pairs: Sequence[tuple[str, str]], *, activation: bool | None = None,
               truncate: bool = False) -> np.ndarray:
-        """One float32 score per (text, text_pair) pair, from a cross-encoder / reranker workflow.
+        """One float32 score per (query, document) pair, as the workflow's scorer scores (`self.scorer`,
+        wde/components/scorer.py): a cross-encoder's score of the pair, the cosine similarity of an embedder's
+        vectors, the MaxSim of a multi-vector model's (query as task=query, document as task=document).
 
-        `activation=None` uses the workflow default (sigmoid, like sentence-transformers' CrossEncoder);
-        False returns raw logits. With `truncate`, long pairs lose tokens from the second text only.
+        `activation=None` uses the workflow default (a cross-encoder's sigmoid, like sentence-transformers'
+        CrossEncoder); False returns raw logits (an embedder's scores have no activation: True is refused). With
+        `truncate`, a cross-encoder's long pairs lose tokens from the second text only, an embedder's long texts
+        their end.
         """
-        self._require_output("score", "score")
-        outs = self.encode(list(pairs), PoolingParams(truncate=truncate, activation=activation))
-        return np.array([o.outputs["score"] for o in outs], dtype=np.float32)
+        if self.scorer.output is None:
+            raise RequestError(f"Engine.score needs a workflow that scores; workflow {self.workflow.name!r} produces"
+                               f" {list(self.supported_outputs)} and its scorer is {self.scorer.scoring!r}",
+                               "workflow")
+        plan = scoring_plan(self.scorer, list(pairs), PoolingParams(truncate=truncate, activation=activation))
+        where = [f"pairs[{i}]" if self.scorer.pairs else f"pairs[{i}][{side}]" for i, side in plan.origins]
+        requests = []
+        for name, item, params in zip(where, plan.inputs, plan.params):
+            try:
+                requests.append(self.make_request(item, params))
+            except RequestError as e:
+                raise RequestError(f"{name}: {e}", e.field, e.kind) from None
+        done = self.run(requests)
+        outs = [done[r.request_id] for r in requests]
+        for name, out in zip(where, outs):
+            if out.error is not None:
+                raise RequestError(f"{name}: {out.error}", out.error.field, out.error.kind)
+        return plan.scores([o.outputs for o in outs])
 
     def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
                truncate: bool = False) -> list[tuple[int, float]]:
-        """(document index, score) pairs, best first; ties keep the input order."""
+        """(document index, score) pairs, best first, as `score` scores them; ties keep the input order."""
         self._check_top(top_n, "top_n")
         docs = list(documents)
         scores = self.score([(query, d) for d in docs], truncate=truncate)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from wde.components.scorer import Scorer
     from wde.engine import Engine
 
 
@@ -32,6 +33,10 @@ class EngineInfo:
     """The model's dtype, e.g. "float32" (with mixed precision, its linear layers' dtype)."""
     device: str
     """Where the model runs, e.g. "cpu", "cuda:0"."""
+    scorer: "Scorer"
+    """The workflow's scorer (wde/components/scorer.py): its name (`scoring`), the output it reads, whether it
+    scores pairs, what each side runs with (`side_params`) and `score`. Its state is plain settings (it keeps no
+    component), so it travels with this info to a split engine's API servers, which score with it."""
     chunkable: bool = False
     """Whether long inputs may be embedded in chunks (`PoolingParams.chunk`: the pooler is a `ChunkedPooling`)."""
     span_pooling: bool = False
@@ -65,4 +70,5 @@ class EngineInfo:
             chunkable=engine.chunkable,
             span_pooling=engine.span_pooling,
             options=dict(engine.request_options),
+            scorer=engine.scorer,
         )

@@ -24,6 +24,7 @@ COMPONENT_KINDS: tuple[str, ...] = (
     "attention",
     "model",
     "pooler",
+    "scorer",
     "runner",
     "executor",
     "output_processor",

@@ -61,6 +61,12 @@ class MultiVectorPoolerParams(Params):
     `normalize` overrides it)."""
 
 
+class MaxSimScorerParams(Params):
+    similarity: Literal["auto", "maxsim", "meanmaxsim"] = "auto"
+    """How query-token maxima add up: summed (maxsim) or averaged over the query's tokens (meanmaxsim); auto: the
+    pooler's `similarity_fn_name` (the folder's, as `MultiVectorEncoder.similarity` reads it)."""
+
+
 class ClassifierParams(Params):
     task: Literal["auto", "score", "probs"] = "auto"
     """auto: 'score' for a single-logit model (cross-encoder / reranker), 'probs' otherwise."""

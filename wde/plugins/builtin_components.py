@@ -15,8 +15,8 @@ from wde.components.executor import ThreadExecutorParams
 from wde.components.input_processor import TextInputParams
 from wde.components.params import ImageTextInputParams, ImageTextRequestParams, ProjectedPoolerParams
 from wde.components.params import (AttentionParams, BGEM3OutputParams, BGEM3PoolerParams, ClassifierParams, ModelParams,
-                                   MultiVectorPoolerParams, SentencePoolerParams, SparseOutputParams, SpladePoolerParams,
-                                   TorchRunnerParams, YesNoScorerParams)
+                                   MaxSimScorerParams, MultiVectorPoolerParams, SentencePoolerParams,
+                                   SparseOutputParams, SpladePoolerParams, TorchRunnerParams, YesNoScorerParams)
 from wde.components.request_processor import LazyTokenizeParams
 from wde.components.reranker_prompt import AffixTokenizerParams, InstructionPairParams
 from wde.components.scheduler import FCFSParams
@@ -69,6 +69,11 @@ _BUILTINS: tuple[tuple[str, str, str, type[Params]], ...] = (
     ("pooler", "multi_vector", "multi_vector:MultiVectorPooler", MultiVectorPoolerParams),
     ("pooler", "classifier", "classifier:ClassifierPooler", ClassifierParams),
     ("pooler", "yes_no_score", "causal_lm_scorer:YesNoScorer", YesNoScorerParams),
+    ("scorer", "cross_encoder", "scorer:CrossEncoderScorer", Params),
+    ("scorer", "cosine", "scorer:CosineScorer", Params),
+    ("scorer", "maxsim", "scorer:MaxSimScorer", MaxSimScorerParams),
+    ("scorer", "none", "scorer:NoScorer", Params),
+    ("scorer", "auto", "scorer:AutoScorer", Params),
     ("runner", "torch", "runner:TorchRunner", TorchRunnerParams),
     ("executor", "sync", "executor:SyncExecutor", Params),
     ("executor", "thread", "executor:ThreadExecutor", ThreadExecutorParams),

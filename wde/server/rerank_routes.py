@@ -21,18 +21,20 @@ from wde.request import PoolingParams
 from wde.server.protocol import (CohereRerankRequest, Document, RerankRequest, TeiRerankRequest, body_schema, parse,
                                  read_json)
 from wde.server.responses import JSONResponse
-from wde.server.service import Result, Service, scalar
+from wde.server.service import Result, Service
 
 router = APIRouter()
 
 
 async def _scores(svc: Service, request: Request, query: str, docs: list[str], params: PoolingParams,
                   field: str) -> tuple[list[tuple[int, float]], Result]:
-    """(index, score) best first, and the raw result for usage and headers. Errors name `query` or `field[i]`."""
-    svc.require("score", request.url.path)
+    """(index, score) best first, as the workflow's scorer scores (a cross-encoder each pair, an embedder or a
+    multi-vector model the query and each document), and the raw result for usage and headers. Errors name
+    `query` or `field[i]`."""
+    svc.scorer(request.url.path)
     names = [("query", f"{field}[{i}]") for i in range(len(docs))]
-    result = await svc.run(request, [(query, d) for d in docs], params, field, names)
-    ranked = sorted(((i, scalar(o.outputs["score"])) for i, o in enumerate(result.outputs)), key=lambda x: -x[1])
+    scores, result = await svc.score(request, [(query, d) for d in docs], params, field, names)
+    ranked = sorted(enumerate(scores.tolist()), key=lambda x: -x[1])
     return ranked, result
 
 
@@ -97,7 +99,7 @@ async def rerank_v2(request: Request) -> JSONResponse:
     svc: Service = request.app.state.service
     body = parse(CohereRerankRequest, await read_json(request))
     svc.check_model(body.model)
-    svc.require("score", "/v2/rerank")
+    svc.scorer("/v2/rerank")
     cap = body.max_tokens_per_doc
     svc.check_token_cap(cap, "max_tokens_per_doc", " per (query, document) pair")
     # Cohere truncates documents to max_tokens_per_doc; within the model's limit that is at most `cap` tokens.
@@ -110,8 +112,7 @@ async def _rank_documents(svc: Service, request: Request, body: RerankRequest,
     (tokens, headers); what both its answer shapes are made of."""
     svc.check_model(body.model)
     docs = [d.text if isinstance(d, Document) else d for d in body.documents]
-    params = PoolingParams(truncate=body.truncate or truncate, activation=False if body.raw_scores else None,
-                           outputs=("score",))
+    params = PoolingParams(truncate=body.truncate or truncate, activation=False if body.raw_scores else None)
     ranked, result = await _scores(svc, request, body.query, docs, params, "documents")
     return docs, ranked[:body.top_n] if body.top_n else ranked, result
 
@@ -136,7 +137,7 @@ async def _documents_rerank(svc: Service, request: Request, body: RerankRequest,
 
 async def _tei_rerank(svc: Service, request: Request, body: TeiRerankRequest) -> JSONResponse:
     params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
-                           activation=False if body.raw_scores else None, outputs=("score",))
+                           activation=False if body.raw_scores else None)
     ranked, result = await _scores(svc, request, body.query, body.texts, params, "texts")
     return JSONResponse(_tei_ranks(ranked, body.texts, body.return_text), headers=result.headers)
 

@@ -14,7 +14,7 @@ from wde.server.errors import ApiError
 from wde.server.protocol import (ClassifyRequest, InfinityClassifyRequest, ScoreRequest, body_schema, item_names, parse,
                                  read_json)
 from wde.server.responses import JSONResponse
-from wde.server.service import Service, scalar
+from wde.server.service import Service
 from wde.server.truncation import truncation
 
 router = APIRouter()
@@ -66,34 +66,22 @@ def _pairs(body: ScoreRequest, sides: tuple[str, str]) -> tuple[list[tuple[str, 
 @router.post("/score", openapi_extra=body_schema(ScoreRequest))
 @router.post("/v1/score", openapi_extra=body_schema(ScoreRequest))
 async def score(request: Request) -> JSONResponse:
-    """Cross-encoders score each pair; embedding models answer with the cosine similarity of the two texts."""
+    """Each pair scored by the workflow's scorer: a cross-encoder scores the pair, an embedder answers with the
+    cosine similarity of the two texts, a multi-vector model with their MaxSim (the first text as the query)."""
     svc: Service = request.app.state.service
     body = parse(ScoreRequest, await read_json(request))
     svc.check_model(body.model)
-    if "dense" not in svc.supported:
-        svc.require("score", "/score")
+    svc.scorer("/score")
     sides = _sides(body)
     pairs, names = _pairs(body, sides)
     if body.raw_scores and body.use_activation:
         raise ApiError("validation", "raw_scores: true and use_activation: true contradict each other; send one",
                        "use_activation")
     cut = truncation(body, svc.info.max_length, body.truncate)
-    second = sides[1]
-    if "score" in svc.supported:
-        raw = body.raw_scores or body.use_activation is False
-        params = PoolingParams(**cut, activation=False if raw else None, outputs=("score",))
-        result = await svc.run(request, pairs, params, second, names)
-        scores = [scalar(o.outputs["score"]) for o in result.outputs]
-    else:
-        first_name: dict[str, str] = {}  # each distinct text once, named where it first appears
-        for pair, pair_names in zip(pairs, names):
-            for text, text_name in zip(pair, pair_names):
-                first_name.setdefault(text, text_name)
-        texts = list(first_name)
-        params = PoolingParams(**cut, normalize=True, outputs=("dense",))
-        result = await svc.run(request, texts, params, second, [first_name[t] for t in texts])
-        vec = {t: o.outputs["dense"] for t, o in zip(texts, result.outputs)}
-        scores = [float(np.dot(vec[a], vec[b])) for a, b in pairs]
+    raw = body.raw_scores or body.use_activation is False
+    scored, result = await svc.score(request, pairs, PoolingParams(**cut, activation=False if raw else None),
+                                     sides[1], names)
+    scores = scored.tolist()
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
     usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
     return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),

@@ -17,6 +17,7 @@ from fastapi import Request
 
 from wde.async_engine import AsyncEngine, EngineOverloaded, EngineTimeout, EngineUnavailable, input_names
 from wde.components.image_input import ImageTextInputProcessor, is_image
+from wde.components.scorer import Scorer, scoring_plan
 from wde.core.client import CoreClient
 from wde.engine_info import EngineInfo
 from wde.errors import RequestError
@@ -198,6 +199,30 @@ class Service:
                         " input) or /pooling (OpenAI-style list with {token_id: weight})")
             raise ApiError("unsupported", f"{route} needs {_NEEDS.get(output, repr(output))}, but workflow"
                            f" {self.info.workflow!r} produces {list(self.produces)}{hint}")
+
+    def scorer(self, route: str) -> Scorer:
+        """The workflow's scorer (`EngineInfo.scorer`), or the 424 naming `route` where it scores nothing."""
+        scorer = self.info.scorer
+        if scorer.output is None:
+            raise ApiError("unsupported", f"{route} needs a model that scores: a cross-encoder reranker (output"
+                           " 'score'), an embedder or a multi-vector model, but workflow"
+                           f" {self.info.workflow!r} produces {list(self.produces)} and its scorer is"
+                           f" {scorer.scoring!r}")
+        return scorer
+
+    async def score(self, request: Request, pairs: Sequence[tuple[Any, Any]], params: PoolingParams, field: str,
+                    names: Sequence[tuple[str, str]]) -> tuple[np.ndarray, Result]:
+        """Score (query, document) `pairs` with the workflow's scorer (`scorer`, which the route checked): a pair
+        scorer runs each pair, an embedding scorer each distinct query and document once (`scoring_plan`).
+        `params` are the route's (truncation, activation); `names` name each pair's two sides in errors."""
+        try:
+            plan = scoring_plan(self.info.scorer, pairs, params)
+        except RequestError as e:
+            raise api_error(e) from None
+        pair = self.info.scorer.pairs
+        run_names = [names[i] if pair else names[i][side] for i, side in plan.origins]
+        result = await self.run(request, plan.inputs, plan.params, field, run_names)
+        return plan.scores([o.outputs for o in result.outputs]), result
 
     def labels(self) -> list[str]:
         """Class names in class-id order: the pooler's `labels`, else the model config's id2label."""

@@ -94,10 +94,16 @@ async def similarity(request: Request) -> JSONResponse:
 
 
 async def _similarity(request: Request, raw: Any) -> JSONResponse:
-    """Cosine similarity of `inputs.source_sentence` with each of `inputs.sentences`, in their order."""
+    """`inputs.source_sentence` scored against each of `inputs.sentences`, in their order, by the workflow's
+    scorer where it compares embeddings: the cosine similarity of an embedder's vectors, the MaxSim of a
+    multi-vector model's (the source sentence as the query)."""
     svc = service(request)
     body = parse(TeiSimilarityRequest, raw)
-    svc.require("dense", "/similarity")
+    scorer = svc.info.scorer
+    if scorer.output is None or scorer.pairs:
+        raise ApiError("unsupported", "/similarity needs an embedding model (output 'dense') or a multi-vector one,"
+                       f" but workflow {svc.info.workflow!r} produces {list(svc.produces)} and scores with"
+                       f" {scorer.scoring!r}")
     sentences = body.inputs.sentences
     if not sentences:
         raise ApiError("empty", "inputs.sentences is empty: send at least one sentence", "inputs.sentences")
@@ -105,12 +111,11 @@ async def _similarity(request: Request, raw: Any) -> JSONResponse:
     truncate = given.truncate if given and given.truncate is not None else body.truncate
     direction = given.truncation_direction if given and given.truncation_direction else body.truncation_direction
     prompt_name = given.prompt_name if given and given.prompt_name is not None else body.prompt_name
-    params = PoolingParams(truncate=bool(truncate), truncation_direction=direction, normalize=True,
-                           prompt_name=prompt_name, outputs=("dense",))
-    names = ["inputs.source_sentence"] + [f"inputs.sentences[{i}]" for i in range(len(sentences))]
-    result = await svc.run(request, [body.inputs.source_sentence, *sentences], params, "inputs", names)
-    source, *others = result.dense
-    return JSONResponse([float(np.dot(source, v)) for v in others], headers=result.headers)
+    params = PoolingParams(truncate=bool(truncate), truncation_direction=direction, prompt_name=prompt_name)
+    names = [("inputs.source_sentence", f"inputs.sentences[{i}]") for i in range(len(sentences))]
+    scores, result = await svc.score(request, [(body.inputs.source_sentence, s) for s in sentences], params,
+                                     "inputs", names)
+    return JSONResponse(scores.tolist(), headers=result.headers)
 
 
 @router.post("/decode", openapi_extra=body_schema(TeiDecodeRequest))
