@@ -90,7 +90,8 @@ async def _embed(request: Request, svc: Service, body: EmbeddingOptions, inputs:
                  images: bool = False) -> JSONResponse:
     """Embed `inputs` with the body's options, in OpenAI's list envelope."""
     params = PoolingParams(**long_inputs(svc, truncation(body, svc.info.max_length, body.truncate)),
-                           prompt_name=body.prompt_name, dimensions=body.dimensions or None, outputs=("dense",))
+                           prompt_name=body.prompt_name, dimensions=body.dimensions or None, outputs=("dense",),
+                           options=body.options)
     result = await svc.run(request, inputs, params, "input", names, images=images)
     vectors = quantize_rows(result.dense, body.embed_dtype, svc.config.quantization_ranges, "embed_dtype")
     data = [{"object": "embedding", "embedding": encode_vector(v, body.encoding_format), "index": i}
@@ -129,6 +130,7 @@ async def pooling(request: Request) -> JSONResponse:
     params = PoolingParams(**(long_inputs(svc, cut) if main == "dense" and not extras else cut),
                            normalize=body.use_activation if pooled and body.normalize is None else body.normalize,
                            activation=None if pooled else body.use_activation, prompt_name=body.prompt_name,
+                           options=svc.options(body.options, body.input_type, "input_type"),
                            dimensions=body.dimensions, outputs=(main, *extras))
     result = await svc.run(request, embed_items(body.input), params, "input", item_names("input", body.input))
     data = []

@@ -41,7 +41,15 @@ class PromptTruncation(Body):
     """vLLM's: which end truncation cuts ("right" keeps the first tokens, the default; "left" the last)."""
 
 
-class EmbeddingOptions(PromptTruncation):
+class RequestOptions(Body):
+    """A WDE extension on the routes that embed: the workflow's per-request options (`PoolingParams.options`)."""
+
+    options: dict[str, str] | None = None
+    """e.g. {"task": "query"} for a late-interaction model's queries; an option or value the workflow does not take
+    is a 422 naming `options.NAME` (`/info`'s `options` lists what it takes)."""
+
+
+class EmbeddingOptions(PromptTruncation, RequestOptions):
     """What OpenAI's /v1/embeddings takes besides the inputs, in both of its bodies (`input`, vLLM's `messages`)."""
 
     model: str | None = None
@@ -111,13 +119,16 @@ PoolingTask = Literal["embed", "classify", "token_embed", "token_classify", "plu
 """vLLM's pooling tasks; wde/server/openai_routes.py serves the first three and refuses the others by name."""
 
 
-class PoolingRequest(PromptTruncation):
+class PoolingRequest(PromptTruncation, RequestOptions):
     """/pooling in vLLM's shape: `data[i].data` holds the `task`'s output; `outputs` (extension) adds WDE outputs
     (sparse, colbert...) under their own names."""
 
     input: EmbedInput
     model: str | None = None
     task: PoolingTask | None = None
+    input_type: Literal["query", "document"] | None = None
+    """Whether the inputs are queries or documents, for a model whose workflow takes the `task` option (late
+    interaction: `options.task`); refused by name where it takes none."""
     encoding_format: Literal["float", "base64"] = "float"
     embed_dtype: Literal["float32"] = "float32"
     """vLLM's dtype of base64 vectors: float32 is what is served; float16/bfloat16/fp8 are refused by name."""
@@ -203,7 +214,7 @@ class InfinityClassifyRequest(Body):
     """Extension, as on vLLM's /classify."""
 
 
-class TeiEmbedRequest(Body):
+class TeiEmbedRequest(RequestOptions):
     """TEI /embed."""
 
     inputs: TeiInput
@@ -260,7 +271,7 @@ class TeiTokenizeRequest(Body):
     prompt_name: str | None = None
 
 
-class TeiEmbedAllRequest(Body):
+class TeiEmbedAllRequest(RequestOptions):
     """TEI /embed_all: every token's final hidden state."""
 
     inputs: TeiInput

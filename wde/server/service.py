@@ -131,6 +131,19 @@ class Service:
             return {"chunk": True, "max_embed_len": self.max_embed_len}
         return {}
 
+    def options(self, options: dict[str, str] | None, task: str | None, field: str) -> dict[str, str] | None:
+        """A request's per-request options, with `task` (an API's own query/document field, named `field`) as the
+        `task` option where the workflow takes one; refused by name where it takes none, or contradicts `options`."""
+        if task is None:
+            return options
+        if "task" not in self.info.options:
+            raise ApiError("validation", f"{field} {task!r}: workflow {self.info.workflow!r} embeds queries and"
+                           " documents alike (it takes no task option); leave it out", field)
+        if options and options.get("task", task) != task:
+            raise ApiError("validation", f"{field} {task!r} and options.task {options['task']!r} contradict each"
+                           " other; send one", field)
+        return {**(options or {}), "task": task}
+
     def liveness(self) -> str | None:
         """None while the engine serves; else why not, for /health's 503: the loop stopped or gave up, or it has
         not finished a step for longer than `stall_timeout` (a hung step, a frozen engine core)."""

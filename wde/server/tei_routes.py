@@ -54,7 +54,7 @@ async def embed_rows(request: Request, raw: Any) -> tuple[list[Any], dict[str, s
     svc.require("dense", "/embed")
     params = PoolingParams(**svc.long_inputs(body.truncate or None), truncation_direction=body.truncation_direction,
                            normalize=body.normalize, prompt_name=body.prompt_name, dimensions=body.dimensions,
-                           outputs=("dense",))
+                           outputs=("dense",), options=body.options)
     result = await svc.run(request, embed_items(body.inputs), params, "inputs", item_names("inputs", body.inputs))
     vectors = quantize_rows(result.dense, body.embed_dtype, svc.config.quantization_ranges, "embed_dtype")
     if body.encoding_format == "base64":
@@ -77,15 +77,18 @@ async def token_states(request: Request, raw: Any) -> tuple[list[np.ndarray], di
     (/embed_all writes [[[float]]]; gRPC's EmbedAll shares it), and TEI's timing headers."""
     svc = service(request)
     body = parse(TeiEmbedAllRequest, raw)
-    if "token_embeddings" not in svc.supported:
+    output = next((o for o in ("token_embeddings", "colbert") if o in svc.supported), None)
+    if output is None:
         raise ApiError("unsupported", f"/embed_all needs per-token states (output 'token_embeddings'), which"
-                       " embedders built on the `sentence` pooler (or `decoder_features`) give on request, but"
-                       f" workflow {svc.info.workflow!r} produces {list(svc.produces)}")
+                       " embedders built on the `sentence` pooler (or `decoder_features`) give on request, or a"
+                       f" late-interaction model's token vectors ('colbert'), but workflow {svc.info.workflow!r}"
+                       f" produces {list(svc.produces)}")
+    # raw hidden states for an embedder, as TEI; a late-interaction model's vectors as the model makes them
     params = PoolingParams(truncate=bool(body.truncate), truncation_direction=body.truncation_direction,
-                           normalize=False, prompt_name=body.prompt_name, outputs=("token_embeddings",))
+                           normalize=False if output == "token_embeddings" else None, prompt_name=body.prompt_name,
+                           outputs=(output,), options=body.options)
     result = await svc.run(request, embed_items(body.inputs), params, "inputs", item_names("inputs", body.inputs))
-    return ([np.ascontiguousarray(o.outputs["token_embeddings"], dtype=np.float32) for o in result.outputs],
-            result.headers)
+    return ([np.ascontiguousarray(o.outputs[output], dtype=np.float32) for o in result.outputs], result.headers)
 
 
 @router.post("/similarity", openapi_extra=body_schema(TeiSimilarityRequest))
@@ -367,13 +370,14 @@ def info_content(svc: Service) -> dict[str, Any]:
         "max_batch_tokens": info.token_budget,
         "max_batch_requests": info.max_num_requests,
         "max_client_batch_size": svc.config.max_client_batch_size,
-        "auto_truncate": False,
+        "auto_truncate": svc.config.long_inputs == "truncate",
         "tokenization_workers": 1,
         "version": wde.__version__,
         "sha": None,
         "docker_label": None,
         "workflow": info.workflow,
         "outputs": list(info.outputs),
+        "options": {name: list(values) for name, values in info.options.items()},
     }
 
 
