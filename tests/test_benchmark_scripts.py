@@ -47,3 +47,16 @@ def test_peers_runs_offline_and_serving_with_the_isa_cap() -> None:
     assert float(rows["wde"]) >= 0.9999 and float(rows["st"]) >= 0.9999  # min cosine to sentence-transformers fp32
     assert re.search(r"^wde +[\d.]+ req/s  p50 +[\d.]+ ms  p99 +[\d.]+ ms  errors 0", text, re.MULTILINE), text
     assert re.search(r"^WDE / st: offline short [\d.]+x, long [\d.]+x$", text, re.MULTILINE), text
+
+
+def test_multi_vector_runs_and_agrees() -> None:
+    """`benchmarks/multi_vector.py` (issue 35's side-by-side with MultiVectorEncoder) on a tiny workload: both sides'
+    lines, the ratio, and token vectors that agree before anything is timed."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multi_vector.py"), "--n", "40", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    agreements = re.findall(r"^(documents|queries): agreement on 40 inputs, max abs diff (\S+)$", out.stdout, re.M)
+    assert [side for side, _ in agreements] == ["documents", "queries"], out.stdout
+    assert all(float(diff) <= 1e-4 for _, diff in agreements), out.stdout
+    assert len(re.findall(r"\| ratio \S+x \(best of 1\)$", out.stdout, re.M)) == 2, out.stdout
