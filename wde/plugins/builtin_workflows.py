@@ -16,8 +16,6 @@ if TYPE_CHECKING:
     from wde.model_source import ModelSource
 
 DEFAULT_ARCHITECTURES: dict[str, str] = {
-    "XLMRobertaModel": "xlm_roberta",
-    "RobertaModel": "xlm_roberta",
     "BertForSequenceClassification": "sequence_classification",
     "XLMRobertaForSequenceClassification": "xlm_roberta_sequence_classification",
     "RobertaForSequenceClassification": "xlm_roberta_sequence_classification",
@@ -28,7 +26,6 @@ DEFAULT_ARCHITECTURES: dict[str, str] = {
     "LlamaModel": "decoder_features",
     "LlamaForCausalLM": "decoder_features",
     "Qwen3Model": "qwen3_embedding",
-    "ModernBertModel": "modernbert",
     "ModernBertForMaskedLM": "modernbert",
     "ModernBertForSequenceClassification": "modernbert_sequence_classification",
     "NomicBertModel": "nomic_bert",
@@ -125,6 +122,9 @@ FOLDER_ARCHITECTURES = (
                                    "a Qwen3-Reranker checkpoint"),
     SpladeIfSparseEncoder("BertForMaskedLM"),
     MultiVectorIfMultiVectorEncoder("BertModel", "bert", "multi_vector"),
+    MultiVectorIfMultiVectorEncoder("XLMRobertaModel", "xlm_roberta", "multi_vector_xlm_roberta"),
+    MultiVectorIfMultiVectorEncoder("RobertaModel", "xlm_roberta", "multi_vector_xlm_roberta"),
+    MultiVectorIfMultiVectorEncoder("ModernBertModel", "modernbert", "multi_vector_modernbert"),
 )
 """Architectures whose workflow depends on the model folder's files."""
 
