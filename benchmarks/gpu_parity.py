@@ -39,6 +39,8 @@ from wde.workflow import load_workflow  # noqa: E402
 
 TEXTS = tiny_models.varied_texts(64, seed=3)
 TRUNCATE = PoolingParams(truncate=True)
+QUERIES = PoolingParams(truncate=True, options={"task": "query"})
+"""Late-interaction inputs as queries: expanded, with the expansion tokens masked as keys."""
 PAIRS = [(" ".join(TEXTS[i].split()[:16]), TEXTS[(i * 7 + 3) % len(TEXTS)]) for i in range(len(TEXTS))]
 
 
@@ -48,11 +50,19 @@ def build_splade(out: Path) -> Path:
     return importlib.import_module("tests.test_splade").build_mlm(out)
 
 
+def build_multi_vector_on(backbone: Path, out: Path) -> Path:
+    """tests/test_multi_vector.py's ColBERT folder on `backbone`: [Q]/[D] prompts, fixed query expansion without
+    attend (the attention key mask), a skiplist, a Dense. Saved by sentence-transformers >= 6; an older one raises
+    ImportError, reported as not built."""
+    mv = importlib.import_module("tests.test_multi_vector")
+    return mv.build(backbone, out, prompts={"query": "[Q] ", "document": "[D] "},
+                    expansion={"strategy": "fixed", "length": 32}, query_length=32, document_length=96,
+                    skiplist=list(".,!?"))
+
+
 def build_multi_vector(out: Path) -> Path:
-    """tests/test_multi_vector.py's ColBERT folder ([Q]/[D] prompts, fixed query expansion without attend, so the
-    attention key mask is exercised; a skiplist; a Dense) on a random BERT with a real vocabulary: MiniLM's
-    tokenizer, from $TOK (benchmarks/gpu_prepare.sh's .gpu/tok) or the bundled package. Saved by
-    sentence-transformers >= 6; an older one raises ImportError, reported as not built."""
+    """`build_multi_vector_on` a random BERT with a real vocabulary ([MASK], punctuation): MiniLM's tokenizer, from
+    $TOK (benchmarks/gpu_prepare.sh's .gpu/tok) or the bundled package."""
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     tok_dir = os.environ.get("TOK") or (".gpu/tok" if Path(".gpu/tok").is_dir() else None)
@@ -66,10 +76,7 @@ def build_multi_vector(out: Path) -> Path:
                      intermediate_size=128, max_position_embeddings=512)
     BertModel(cfg).eval().save_pretrained(out / "backbone")
     tok.save_pretrained(out / "backbone")
-    mv = importlib.import_module("tests.test_multi_vector")
-    return mv.build(out / "backbone", out / "st", prompts={"query": "[Q] ", "document": "[D] "},
-                    expansion={"strategy": "fixed", "length": 32}, query_length=32, document_length=180,
-                    skiplist=list(".,!?"))
+    return build_multi_vector_on(out / "backbone", out / "st")
 
 
 def mixed_inputs() -> list:
@@ -147,8 +154,10 @@ def families(root: Path) -> list[tuple[str, Callable[[], Path], dict[str, Any], 
         ("gte_multilingual", lambda: rotary.build_gte(root / "gte"), {}, TEXTS, TRUNCATE),
         ("eurobert", lambda: rotary.build_eurobert(root / "eurobert"), mean, TEXTS, TRUNCATE),
         ("splade", lambda: build_splade(root / "mlm"), {}, TEXTS, TRUNCATE),
-        ("multi_vector", lambda: build_multi_vector(root / "mv"), {}, TEXTS,
-         PoolingParams(truncate=True, options={"task": "query"})),
+        ("multi_vector", lambda: build_multi_vector(root / "mv"), {}, TEXTS, QUERIES),
+        ("multi_vector_xlm_roberta", lambda: build_multi_vector_on(xlmr(), root / "mv-xlmr"), {}, TEXTS, QUERIES),
+        ("multi_vector_modernbert", lambda: build_multi_vector_on(modernbert(root / "mv-mb-base", local_attention=8),
+                                                                  root / "mv-mb"), {}, TEXTS, QUERIES),
         ("clip", lambda: tiny_clip.build_clip(root / "clip"), {}, mixed, TRUNCATE),
         ("siglip", lambda: tiny_clip.build_siglip(root / "siglip"), {}, mixed, TRUNCATE),
         ("siglip2", lambda: tiny_clip.build_siglip2(root / "siglip2"), {}, mixed, TRUNCATE),
