@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests import tiny_heads
+from tests.st_folders import minilm_pipeline
 from tests.test_server import serve, serve_split
 from wde import Engine
 from wde.errors import RequestError
@@ -42,20 +43,7 @@ def st_minilm(minilm_path: Path):
 @pytest.fixture(scope="module")
 def dense_model(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The MiniLM Transformer, then mean Pooling, a random Dense 384 -> 96 (tanh) and Normalize."""
-    from sentence_transformers import SentenceTransformer
-
-    try:
-        from sentence_transformers.sentence_transformer import modules as models  # sentence-transformers >= 6
-    except ImportError:
-        from sentence_transformers import models
-
-    torch.manual_seed(7)
-    transformer = SentenceTransformer(str(minilm_path), device="cpu")[0]
-    model = SentenceTransformer(modules=[transformer, models.Pooling(384, "mean"), models.Dense(384, 96),
-                                         models.Normalize()], device="cpu")
-    out = tmp_path_factory.mktemp("late-dense") / "model"
-    model.save(str(out))
-    return out
+    return minilm_pipeline(minilm_path, tmp_path_factory.mktemp("late-dense") / "model", "mean", 96, seed=7)
 
 
 def reference(st, text: str, token_ranges: list[tuple[int, int]]) -> np.ndarray:

@@ -20,6 +20,7 @@ import torch
 from click.testing import CliRunner
 
 from tests import tiny_heads
+from tests.st_folders import minilm_pipeline
 from tests.test_server import serve, serve_split
 from wde import Engine
 from wde.cli import main
@@ -80,19 +81,7 @@ def reference(minilm_path: Path) -> tuple[np.ndarray, int, int]:
 @pytest.fixture(scope="module")
 def cls_dense(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """MiniLM's Transformer with CLS pooling, a Dense module and Normalize, saved by sentence-transformers."""
-    from sentence_transformers import SentenceTransformer
-
-    try:
-        from sentence_transformers.sentence_transformer import modules as models  # sentence-transformers >= 6
-    except ImportError:
-        from sentence_transformers import models
-    torch.manual_seed(0)
-    transformer = SentenceTransformer(str(minilm_path), device="cpu")[0]
-    model = SentenceTransformer(modules=[transformer, models.Pooling(384, "cls"), models.Dense(384, 96),
-                                         models.Normalize()], device="cpu")
-    out = tmp_path_factory.mktemp("cls-dense") / "model"
-    model.save(str(out))
-    return out
+    return minilm_pipeline(minilm_path, tmp_path_factory.mktemp("cls-dense") / "model", "cls", 96)
 
 
 def test_engine_embeds_a_long_text_as_the_token_weighted_mean_of_its_chunks(

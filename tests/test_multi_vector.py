@@ -129,13 +129,17 @@ def test_prompts_as_sentence_transformers_picks_them(backbone: Path, tmp_path: P
             assert np.abs(got.outputs["colbert"] - want.numpy()).max() <= TOL
 
 
-@pytest.fixture(scope="module")
-def colbert_minilm(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def classic_colbert(minilm_path: Path, out: Path) -> Path:
     """all-MiniLM-L6-v2 as a classic ColBERT: [Q]/[D] prompts, 32-token fixed expansion without attend, 180-token
     documents, a punctuation skiplist, a 128-wide projection."""
-    return build(minilm_path, tmp_path_factory.mktemp("colbert-minilm") / "st", dims=(128,),
-                 prompts={"query": "[Q] ", "document": "[D] "}, expansion={"strategy": "fixed", "length": 32},
-                 query_length=32, document_length=180, skiplist=list(string.punctuation))
+    return build(minilm_path, out, dims=(128,), prompts={"query": "[Q] ", "document": "[D] "},
+                 expansion={"strategy": "fixed", "length": 32}, query_length=32, document_length=180,
+                 skiplist=list(string.punctuation))
+
+
+@pytest.fixture(scope="module")
+def colbert_minilm(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return classic_colbert(minilm_path, tmp_path_factory.mktemp("colbert-minilm") / "st")
 
 
 @pytest.fixture(scope="module")

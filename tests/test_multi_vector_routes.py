@@ -6,14 +6,13 @@ where the workflow does not take it."""
 from __future__ import annotations
 
 import base64
-import string
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from tests.test_multi_vector import DOCUMENT, QUERY, build
+from tests.test_multi_vector import DOCUMENT, QUERY, classic_colbert
 from tests.test_server import serve
 from wde import Engine
 
@@ -21,16 +20,9 @@ TEXTS = ["what is the capital of france?", "Paris is the capital of France. It h
 
 
 @pytest.fixture(scope="module")
-def colbert_folder(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build(minilm_path, tmp_path_factory.mktemp("colbert-routes") / "st", dims=(96,),
-                 prompts={"query": "[Q] ", "document": "[D] "}, expansion={"strategy": "fixed", "length": 32},
-                 query_length=32, document_length=180, skiplist=list(string.punctuation))
-
-
-@pytest.fixture(scope="module")
-def colbert(colbert_folder: Path):
-    with Engine.from_workflow(None, colbert_folder) as engine:
-        yield engine
+def colbert(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    with Engine.from_workflow(None, classic_colbert(minilm_path, tmp_path_factory.mktemp("colbert") / "st")) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")
