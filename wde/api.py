@@ -17,7 +17,10 @@ from wde.lazy import lazy_exports
 if TYPE_CHECKING:
     from wde.components.attention.base import AttentionBackend, AttentionMetadata, check_bias
     from wde.components.base import COMPONENT_KINDS, BuildContext, Component, Params
-    from wde.components.model_input_builder import ModelInput
+    from wde.components.input_processor import TextInputProcessor
+    from wde.components.model_input_builder import ModelInput, PackedInputBuilder
+    from wde.components.multi_vector import maxsim
+    from wde.components.request_processor import LazyTokenizeRequestProcessor
     from wde.components.models.base import PrefillModel
     from wde.components.models.bert import (BertAttention, BertEmbeddings, BertEncoder, BertIntermediate, BertLayer,
                                             BertModel, BertSelfOutput)
@@ -25,7 +28,7 @@ if TYPE_CHECKING:
     from wde.components.models.fused import add_layer_norm, add_rms_norm, l2_normalize
     from wde.components.models.loader import fused_linear, load_weights
     from wde.components.params import AttentionParams, ModelParams, SentencePoolerParams
-    from wde.components.pooler import (Pooled, SentencePooler, SpanPooling, StPooling, finish_embeddings, pool,
+    from wde.components.pooler import (ChunkedPooling, Pooled, SentencePooler, SpanPooling, StPooling, finish_embeddings, pool,
                                       segment_ids, st_pooling, st_pooling_mode)
     from wde.components.scorer import Scorer, ScoringPlan, scoring_plan
     from wde.components.tokenizer import HFTokenizer, HFTokenizerParams
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
     from wde.plugins import make_plugin_manager
     from wde.plugins.hookspecs import hookimpl
     from wde.registry import LazyComponent, Registry
+    from wde.request import PoolingParams, SchedulableRequest
 
 _PUBLIC: dict[str, str] = {
     # plugins and registration
@@ -49,6 +53,11 @@ _PUBLIC: dict[str, str] = {
     "BuildContext": "wde.components.base",
     "ModelSource": "wde.model_source",
     "ModelInput": "wde.components.model_input_builder",
+    "PoolingParams": "wde.request",
+    "SchedulableRequest": "wde.request",
+    "TextInputProcessor": "wde.components.input_processor",
+    "LazyTokenizeRequestProcessor": "wde.components.request_processor",
+    "PackedInputBuilder": "wde.components.model_input_builder",
     "ModelLoadError": "wde.errors",
     "RequestError": "wde.errors",
     # attention
@@ -95,11 +104,13 @@ _PUBLIC: dict[str, str] = {
     "SentencePooler": "wde.components.pooler",
     "SentencePoolerParams": "wde.components.params",
     "SpanPooling": "wde.components.pooler",
+    "ChunkedPooling": "wde.components.pooler",
     "LateChunk": "wde.late_chunking",
     # scorers
     "Scorer": "wde.components.scorer",
     "ScoringPlan": "wde.components.scorer",
     "scoring_plan": "wde.components.scorer",
+    "maxsim": "wde.components.multi_vector",
 }
 
 __all__ = sorted(_PUBLIC)
