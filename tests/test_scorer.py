@@ -9,6 +9,7 @@ scores nothing answered 424 by name."""
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 
 import httpx
@@ -69,19 +70,29 @@ def test_scorer_is_built_after_the_pooler_and_exported() -> None:
 
 
 def test_every_bundled_workflow_names_a_scorer() -> None:
-    expected = {"bert": "cosine", "multi_vector": "maxsim", "cross_encoder": "cross_encoder", "splade": "none",
+    expected = {"bert": "auto", "multi_vector": "maxsim", "cross_encoder": "cross_encoder", "splade": "none",
                 "sequence_classification": "auto", "bge_reranker_v2_m3": "cross_encoder", "clip": "cosine",
-                "qwen3_reranker": "cross_encoder", "qwen3_embedding": "cosine", "decoder_features": "none"}
+                "qwen3_reranker": "cross_encoder", "qwen3_embedding": "auto", "decoder_features": "auto",
+                "bge_m3": "cosine"}
     for name, scorer in expected.items():
         assert load_workflow(name).components["scorer"].name == scorer, name
+
+
+def test_auto_follows_the_pooling(minilm_engine: Engine, minilm_path: Path) -> None:
+    """`bert`'s auto: cosine for the dense vectors, none where `pooling: all` gives token states only."""
+    assert minilm_engine.scorer.scoring == "cosine"
+    with Engine.from_workflow("bert", minilm_path, overrides=["pooler.params.pooling=all"]) as engine:
+        assert engine.scorer.scoring == "none"
+        with pytest.raises(RequestError, match="scorer is 'none'"):
+            engine.rerank("q", ["a"])
 
 
 def test_side_params(minilm_engine: Engine, colbert: Engine, minilm_ce: Path) -> None:
     """What each side runs with: the scorer's output, cosine's normalization, maxsim's task; the caller's
     truncation kept; a cross-encoder's activation kept and an embedding scorer's refused."""
     base = PoolingParams(truncate=True, activation=False)
-    cosine = minilm_engine.scorer
-    assert isinstance(cosine, CosineScorer) and not cosine.pairs
+    cosine = minilm_engine.scorer  # bert's auto, standing for cosine
+    assert isinstance(cosine.picked, CosineScorer) and not cosine.pairs
     assert cosine.side_params("query", base) == PoolingParams(truncate=True, normalize=True, outputs=("dense",))
     assert cosine.side_params("document", base) == cosine.side_params("query", base)
     maxsim = colbert.scorer
@@ -125,7 +136,8 @@ def test_engine_info_carries_the_scorer_to_api_servers(colbert: Engine) -> None:
 
 # --- fitting the pooler --------------------------------------------------------------------------------------------
 
-def test_a_scorer_that_does_not_fit_its_pooler_fails_the_build(minilm_path: Path, colbert_minilm: Path) -> None:  # noqa: F811
+def test_a_scorer_that_does_not_fit_its_pooler_fails_the_build(minilm_path: Path,
+                                                              colbert_minilm: Path) -> None:  # noqa: F811
     with pytest.raises(ModelLoadError, match=r"scorer 'maxsim' scores output 'colbert', which pooler 'sentence'"):
         Engine.from_workflow("bert", minilm_path, overrides=["scorer.name=maxsim"])
     with pytest.raises(ModelLoadError, match=r"building scorer 'cosine' failed: .*'dense'.*pooler 'multi_vector'"):
@@ -141,7 +153,8 @@ def test_wde_validate_names_an_unknown_scorer_and_a_missing_one(tmp_path: Path) 
         load_workflow(bad)
     from wde.workflow import find_workflow_file
 
-    text = find_workflow_file("bert").read_text(encoding="utf-8").replace("scorer:\n  name: cosine\n", "")
+    text = re.sub(r"scorer:\n  name: auto[^\n]*\n", "", find_workflow_file("bert").read_text(encoding="utf-8"))
+    assert "scorer" not in text
     (tmp_path / "none.yaml").write_text(text, encoding="utf-8")
     with pytest.raises(WorkflowError, match="sets no scorer component"):
         load_workflow(tmp_path / "none.yaml")

@@ -17,7 +17,7 @@ and their outputs back into one score per pair; the engine and the server both s
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -46,7 +46,7 @@ class Scorer(Component):
     pairs: bool = False
     """True: each (query, document) pair is one input of the model (a cross-encoder); False: the query and each
     document are embedded on their own (`query` and `document` sides) and compared by `score`."""
-    side_options: ClassVar[Mapping[str, Mapping[str, str]]] = {}
+    side_options: Mapping[str, Mapping[str, str]] = {}
     """Per side, the per-request options (`PoolingParams.options`) it runs with, e.g. {"query": {"task": "query"}}."""
 
     def __init__(self, params: Params, ctx: BuildContext) -> None:
@@ -75,13 +75,13 @@ class Scorer(Component):
             raise RequestError(f"activation applies to a cross-encoder's logits; scorer {self.name!r} compares"
                                " embeddings, whose scores have no activation", "activation")
         options = {**(params.options or {}), **self.side_options.get(side, {})}
-        return replace(params, outputs=(self.output,), activation=None if not self.pairs else params.activation,
+        return replace(params, outputs=(self.output,), activation=params.activation if self.pairs else None,
                        options=options or None)
 
     def pair_scores(self, outputs: Sequence[Outputs]) -> np.ndarray:
         """float32 [len(outputs)]: each pair's score, its `output` (a pair scorer)."""
-        return np.array([np.asarray(o[self.output], dtype=np.float32).reshape(-1)[0] for o in outputs],  # type: ignore[index]
-                        dtype=np.float32)
+        name = str(self.output)
+        return np.array([np.asarray(o[name], dtype=np.float32).reshape(-1)[0] for o in outputs], dtype=np.float32)
 
     def score(self, query: Outputs, documents: Sequence[Outputs]) -> np.ndarray:
         """float32 [len(documents)]: the query's score against each document, from their `output` (an embedding
