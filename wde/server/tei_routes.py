@@ -77,7 +77,10 @@ async def token_states(request: Request, raw: Any) -> tuple[list[np.ndarray], di
     (/embed_all writes [[[float]]]; gRPC's EmbedAll shares it), and TEI's timing headers."""
     svc = service(request)
     body = parse(TeiEmbedAllRequest, raw)
-    output = next((o for o in ("token_embeddings", "colbert") if o in svc.supported), None)
+    # per-token states where the workflow gives them; a late-interaction model's token vectors where they are all
+    # it makes (bge-m3's ColBERT vectors ride beside its dense output, on /pooling, not here)
+    output = "token_embeddings" if "token_embeddings" in svc.supported else \
+        "colbert" if svc.produces == ("colbert",) else None
     if output is None:
         raise ApiError("unsupported", f"/embed_all needs per-token states (output 'token_embeddings'), which"
                        " embedders built on the `sentence` pooler (or `decoder_features`) give on request, or a"
