@@ -193,8 +193,7 @@ class MultiVectorPooler(Component):
         self.skiplist = torch.tensor(ids, dtype=torch.long, device=device) if ids else None
         keep = cfg.keep_only_token_ids
         self.keep_only = None if keep is None else torch.tensor(keep, dtype=torch.long, device=device)
-        if cfg.expansion is not None and not cfg.expansion.attend and not getattr(ctx.attention, "supports_key_mask",
-                                                                                  False):
+        if cfg.expansion is not None and not cfg.expansion.attend and not ctx.attention.supports_key_mask:
             raise ModelLoadError(f"attention backend {ctx.attention.name!r} cannot mask keys, which this model's query"
                                  " expansion needs (attend: false); use attention auto, torch_sdpa or cpu_varlen")
 
