@@ -146,7 +146,7 @@ def test_a_scorer_that_does_not_fit_its_pooler_fails_the_build(minilm_path: Path
         Engine.from_workflow("bert", minilm_path, overrides=["scorer.name=cross_encoder"])
 
 
-def test_wde_validate_names_an_unknown_scorer_and_a_missing_one(tmp_path: Path) -> None:
+def test_wde_validate_names_an_unknown_scorer_and_defaults_a_missing_one(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: t\nextends: bert\nscorer:\n  name: cosin\n", encoding="utf-8")
     with pytest.raises(WorkflowError, match="unknown scorer component 'cosin'.*cosine"):
@@ -155,9 +155,11 @@ def test_wde_validate_names_an_unknown_scorer_and_a_missing_one(tmp_path: Path) 
 
     text = re.sub(r"scorer:\n  name: auto[^\n]*\n", "", find_workflow_file("bert").read_text(encoding="utf-8"))
     assert "scorer" not in text
-    (tmp_path / "none.yaml").write_text(text, encoding="utf-8")
-    with pytest.raises(WorkflowError, match="sets no scorer component"):
-        load_workflow(tmp_path / "none.yaml")
+    (tmp_path / "none.yaml").write_text(text, encoding="utf-8")  # a workflow from before the scorer kind
+    assert load_workflow(tmp_path / "none.yaml").components["scorer"].name == "auto"
+    (tmp_path / "empty.yaml").write_text(text + "scorer: {}\n", encoding="utf-8")
+    with pytest.raises(WorkflowError, match="sets no scorer component"):  # named, but without a name
+        load_workflow(tmp_path / "empty.yaml")
     params = tmp_path / "params.yaml"
     params.write_text("name: t\nextends: multi_vector\nscorer:\n  params:\n    similarity: sum\n", encoding="utf-8")
     with pytest.raises(WorkflowError, match="scorer.params.similarity"):

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from wde.components.base import COMPONENT_KINDS, Component, Params
+from wde.components.base import COMPONENT_KINDS, DEFAULT_COMPONENTS, Component, Params
 from wde.errors import SHOWN_CHARS, Issue, Location, RegistryError, WorkflowError, brief, did_you_mean, shown
 from wde.registry import LazyComponent, Registry, capabilities_of, get_registry, load_component
 from wde.yaml_source import KeyPath, YamlBombError, load_yaml_with_locations, locate, safe_load
@@ -282,6 +282,8 @@ def _resolve_components(layer: _Layer, registry: Registry) -> dict[str, Resolved
     resolved: dict[str, ResolvedComponent] = {}
     for kind in COMPONENT_KINDS:
         ref: ComponentRef | None = getattr(wf, kind)
+        if ref is None and kind in DEFAULT_COMPONENTS:
+            ref = ComponentRef(name=DEFAULT_COMPONENTS[kind])
         if ref is None or ref.name is None:
             path = (kind,) if ref is None else (kind, "name")
             issues.append(Issue(locate(layer.locations, path), ".".join(path),

@@ -31,6 +31,10 @@ COMPONENT_KINDS: tuple[str, ...] = (
 )
 """Every workflow names one component of each kind; this is also the order they are built in."""
 
+DEFAULT_COMPONENTS: dict[str, str] = {"scorer": "auto"}
+"""The component a workflow gets for a kind it does not name: kinds added after workflows were written (a plugin's
+standalone workflow from before the `scorer` kind builds, scoring by what its pooler produces)."""
+
 
 class Params(BaseModel):
     """Base for component parameter models: unknown keys are errors, never silently ignored."""
