@@ -5,13 +5,15 @@ components read `read_multi_vector_config`.
 sentence-transformers saves such a model as a Transformer (whose `sentence_bert_config.json` holds `query_length`,
 `document_length` and `query_expansion`), per-token Dense modules, a `MultiVectorMask` (which tokens are scored:
 skiplist words, `keep_only_token_ids`) and a per-token Normalize; `config_sentence_transformers.json` holds the
-`query` / `document` prompts and `similarity_fn_name`. WDE serves exactly that. A module, a setting or a layout it
-does not implement (token pooling, a Normalize on sentence embeddings, PyLate's top-level keys, ...) is refused by
-name when the model is loaded, never skipped: each would change the vectors.
+`query` / `document` prompts and `similarity_fn_name`. WDE serves exactly that, and PyLate v3 (1.x) ColBERT folders
+as sentence-transformers 6.2 reads them (`_read_pylate`). A module, a setting or a layout it does not implement
+(token pooling, a Normalize on sentence embeddings, Stanford ColBERT's `artifact.metadata`, ...) is refused by name
+when the model is loaded, never skipped: each would change the vectors.
 """
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -33,6 +35,15 @@ _TRANSFORMER_KEYS = {"transformer_task", "modality_config", "module_output_name"
 attention, not the vectors; `do_lower_case` is refused by `st_modules.transformer_config`'s rule, below."""
 _MASK_KEYS = {"skiplist_words", "skiplist_tasks", "keep_only_token_ids"}
 _EXPANSION_KEYS = {"strategy", "attend", "token", "length"}
+PYLATE = "ColBERT"
+"""`model_type` of a PyLate v3 folder's config_sentence_transformers.json."""
+_PYLATE_KEYS = {"query_prefix", "document_prefix", "query_length", "document_length", "do_query_expansion",
+                "attend_to_expansion_tokens", "skiplist_words"}
+"""PyLate's top-level settings that WDE translates as sentence-transformers 6.2's `_parse_model_config` does."""
+_PYLATE_MODULES = {"sentence_transformers.models.Transformer", "sentence_transformers.base.modules.Transformer",
+                   "sentence_transformers.base.modules.transformer.Transformer", "pylate.models.Dense.Dense",
+                   "sentence_transformers.models.Dense", "sentence_transformers.base.modules.Dense",
+                   "sentence_transformers.base.modules.dense.Dense"}
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,12 @@ class MultiVectorConfig:
     skiplist_tasks: tuple[str, ...] = ("document",)
     keep_only_token_ids: tuple[int, ...] | None = None
     similarity_fn_name: str = "maxsim"
+    prompts: dict[str, str] | None = None
+    """For a PyLate folder, its prompts with `query_prefix` / `document_prefix` put in front (None: the folder's
+    `prompts`, as text_input reads them)."""
+    prefix_tokens: tuple[str, ...] = ()
+    """PyLate's `query_prefix` / `document_prefix`: registered on the tokenizer as one piece where it knows them
+    (`register_prefix_tokens`), as sentence-transformers does."""
 
 
 def _class(module: dict) -> str:
@@ -79,14 +96,15 @@ def _class(module: dict) -> str:
 
 def is_multi_vector_folder(source: "ModelSource") -> bool:
     """Whether the folder is a sentence-transformers MultiVectorEncoder: its config_sentence_transformers.json says
-    `model_type: MultiVectorEncoder`, or its modules.json has a MultiVectorMask. Never raises for a folder that is
+    `model_type: MultiVectorEncoder` (or PyLate v3's `model_type: ColBERT`), or its modules.json has a
+    MultiVectorMask. Never raises for a folder that is
     merely something else (an unreadable file is left for the workflow's components to report)."""
     try:
         st = source.read_json("config_sentence_transformers.json")
         modules = source.read_json("modules.json")
     except ModelLoadError:
         return False
-    if isinstance(st, dict) and st.get("model_type") == "MultiVectorEncoder":
+    if isinstance(st, dict) and st.get("model_type") in ("MultiVectorEncoder", PYLATE):
         return True
     return isinstance(modules, list) and any(isinstance(m, dict) and _class(m) == "MultiVectorMask" for m in modules)
 
@@ -102,14 +120,16 @@ def read_multi_vector_config(source: "ModelSource") -> MultiVectorConfig:
     anything WDE does not implement."""
     st = source.read_json("config_sentence_transformers.json") or {}
     st_where = source.path / "config_sentence_transformers.json"
+    if isinstance(st, dict) and st.get("model_type") == PYLATE:
+        return _read_pylate(source, st)
     if not isinstance(st, dict) or st.get("model_type") != "MultiVectorEncoder":
         raise ModelLoadError(f"{st_where}: the multi_vector workflow serves sentence-transformers MultiVectorEncoder"
-                             f" folders (model_type 'MultiVectorEncoder'); this one says"
-                             f" {st.get('model_type') if isinstance(st, dict) else st!r}")
+                             f" folders (model_type 'MultiVectorEncoder') and PyLate v3 ColBERT folders (model_type"
+                             f" 'ColBERT'); this one says {st.get('model_type') if isinstance(st, dict) else st!r}")
     unknown = sorted(set(st) - _ST_KEYS)
     if unknown:
-        raise ModelLoadError(f"{st_where}: settings {unknown} are not implemented by WDE (PyLate's and Stanford"
-                             " ColBERT's layouts are not served yet)")
+        raise ModelLoadError(f"{st_where}: settings {unknown} are not implemented by WDE (PyLate's top-level keys are"
+                             " read only with model_type 'ColBERT'; Stanford ColBERT's layout is not served yet)")
     similarity = st.get("similarity_fn_name") or "maxsim"
     if similarity not in SIMILARITIES:
         raise ModelLoadError(f"{st_where}: similarity_fn_name {similarity!r} is not implemented by WDE (it implements"
@@ -117,6 +137,101 @@ def read_multi_vector_config(source: "ModelSource") -> MultiVectorConfig:
     stages, mask = _read_modules(source)
     query_length, document_length, expansion = _read_transformer(source)
     return MultiVectorConfig(stages, query_length, document_length, expansion, *mask, similarity_fn_name=similarity)
+
+
+def _read_pylate(source: "ModelSource", st: dict) -> MultiVectorConfig:
+    """A PyLate v3 (1.x) folder, translated as sentence-transformers 6.2 reads one (`_parse_model_config`,
+    `_apply_legacy_fixups`): `query_prefix` / `document_prefix` put in front of the `query` / `document` prompts;
+    `query_length`, `document_length`, `do_query_expansion` and `attend_to_expansion_tokens` turned into the
+    Transformer's settings (expansion on unless `do_query_expansion` is false: `fixed` to `query_length`, else 32,
+    attending as `attend_to_expansion_tokens` says), which the folder's sentence_bert_config.json overrides; the
+    modules.json's Transformer and Dense modules (`pylate.models.Dense.Dense` is sentence-transformers' Dense, on
+    token embeddings unless its config names its input) followed by a MultiVectorMask with `skiplist_words`
+    (string.punctuation when unset) on documents and a per-token Normalize."""
+    st_where = source.path / "config_sentence_transformers.json"
+    unknown = sorted(set(st) - _ST_KEYS - _PYLATE_KEYS)
+    if unknown:
+        raise ModelLoadError(f"{st_where}: PyLate settings {unknown} are not implemented by WDE (it reads"
+                             f" {', '.join(sorted(_PYLATE_KEYS))})")
+    # sentence-transformers keeps a saved maxsim / meanmaxsim and falls back to maxsim for PyLate's cosine / dot
+    similarity = st.get("similarity_fn_name")
+    similarity = similarity if similarity in SIMILARITIES else "maxsim"
+    prompts = dict(st.get("prompts") or {})
+    prefixes: list[str] = []
+    for key, name in (("query_prefix", "query"), ("document_prefix", "document")):
+        if key in st:
+            prefix = st[key] or ""
+            if not isinstance(prefix, str):
+                raise ModelLoadError(f"{st_where}: {key} must be a string, got {prefix!r}")
+            prefixes.append(prefix)
+            prompts[name] = prefix + (prompts.get(name) or "").removeprefix(prefix)
+    knobs: dict[str, Any] = {k: st[k] for k in ("query_length", "document_length") if st.get(k) is not None}
+    if st.get("do_query_expansion") is False:
+        knobs["query_expansion"] = None
+    else:
+        attend = st.get("attend_to_expansion_tokens")
+        knobs["query_expansion"] = {"strategy": "fixed", "attend": bool(attend),
+                                    "length": knobs.pop("query_length", None) or 32}
+    words = st.get("skiplist_words")
+    if words is None:
+        words = list(string.punctuation)
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise ModelLoadError(f"{st_where}: skiplist_words must be a list of strings, got {words!r}")
+    raw = source.read_json("modules.json")
+    where = source.path / "modules.json"
+    if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
+        raise ModelLoadError(f"{where}: a PyLate folder needs a modules.json listing its modules")
+    ordered = sorted(raw, key=lambda m: int(m.get("idx", 0)))
+    kinds = [_class(m) for m in ordered]
+    for m, kind in zip(ordered, kinds):
+        if m.get("type") not in _PYLATE_MODULES:
+            raise ModelLoadError(f"{where}: module {m.get('type')!r} is not implemented by WDE for PyLate folders (it"
+                                 " implements a Transformer followed by Dense modules, as PyLate v3 saves them)")
+    if kinds[0] != "Transformer" or kinds.count("Transformer") != 1 or ordered[0].get("path"):
+        raise ModelLoadError(f"{where}: WDE runs a Transformer in the folder itself followed by per-token Dense"
+                             f" modules; this pipeline is {kinds}")
+    stages: list[Stage] = []
+    for m in ordered[1:]:
+        rel = str(m.get("path", ""))
+        cfg = source.read_json(f"{rel}/config.json") if rel else None
+        cfg = {"module_input_name": TOKENS, **(cfg if isinstance(cfg, dict) else {})}
+        folder = source.path / rel
+        name_in = cfg["module_input_name"]
+        for key, name in (("module_input_name", name_in), ("module_output_name", cfg.get("module_output_name")
+                                                                                 or name_in)):
+            if name != TOKENS:
+                raise ModelLoadError(f"{folder / 'config.json'}: Dense {key} is {name!r}; in a multi-vector pipeline"
+                                     f" only '{TOKENS}' exists")
+        stages.append(Stage("Dense", folder, cfg))
+    stages.append(Stage("Normalize", source.path, {"module_input_name": TOKENS}))
+    query_length, document_length, expansion = _read_transformer(source, knobs)
+    return MultiVectorConfig(tuple(stages), query_length, document_length, expansion, tuple(words), ("document",),
+                             None, similarity_fn_name=similarity, prompts=prompts, prefix_tokens=tuple(prefixes))
+
+
+def register_prefix_tokens(tokenizer: Any, prefixes: tuple[str, ...]) -> list[str]:
+    """Registers each prefix that the tokenizer knows (the whole value, as PyLate adds "[Q] " with its space, else
+    its first word) but does not emit as one piece as a non-normalized special token, so that the prefix put in
+    front of the text tokenizes as one piece, as sentence-transformers' `_register_prefix_tokens` does; a prefix it
+    does not know stays text. Returns the tokens registered."""
+    from transformers import AddedToken
+
+    added = set(getattr(tokenizer, "added_tokens_encoder", None) or {})
+    vocab = tokenizer.get_vocab()
+    registered: list[str] = []
+    for value in prefixes:
+        if not value or not value.split():
+            continue
+        for prefix in (value, value.split(None, 1)[0]):
+            if prefix not in added and prefix not in vocab:
+                continue
+            if tokenizer.tokenize(prefix) != [prefix]:
+                registered.append(prefix)
+            break
+    if registered:
+        tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken(p, normalized=False, special=True)
+                                                                    for p in registered]})
+    return registered
 
 
 def _read_modules(source: "ModelSource") -> tuple[tuple[Stage, ...], tuple]:
@@ -178,8 +293,10 @@ def _read_mask(cfg: dict, where: Path) -> tuple:
     return tuple(words), tuple(tasks), tuple(keep) if keep else None
 
 
-def _read_transformer(source: "ModelSource") -> tuple[int | None, int | None, QueryExpansion | None]:
-    cfg = source.read_json("sentence_bert_config.json") or {}
+def _read_transformer(source: "ModelSource", defaults: dict[str, Any] | None = None
+                      ) -> tuple[int | None, int | None, QueryExpansion | None]:
+    """The Transformer's settings; `defaults` (a PyLate folder's, translated) under what the file says."""
+    cfg = {**(defaults or {}), **(source.read_json("sentence_bert_config.json") or {})}
     where = source.path / "sentence_bert_config.json"
     unknown = sorted(set(cfg) - _TRANSFORMER_KEYS)
     if unknown:
