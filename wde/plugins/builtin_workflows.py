@@ -99,9 +99,10 @@ class SpladeIfSparseEncoder:
 
 @dataclass(frozen=True)
 class MultiVectorIfMultiVectorEncoder:
-    """Picks the late-interaction workflow for an architecture that dense embedders share (BertModel) when the
-    folder is a sentence-transformers MultiVectorEncoder (`model_type: MultiVectorEncoder` in
-    config_sentence_transformers.json, or a MultiVectorMask in modules.json); the dense workflow for any other."""
+    """Picks the late-interaction workflow for an architecture that dense embedders share (BertModel, XLM-R,
+    ModernBERT) when the folder is a sentence-transformers MultiVectorEncoder or a PyLate v3 ColBERT (`model_type:
+    MultiVectorEncoder` or `ColBERT` in config_sentence_transformers.json, or a MultiVectorMask in modules.json); the
+    dense workflow for any other."""
 
     architecture: str
     dense: str
