@@ -27,7 +27,8 @@ from wde.components.base import BuildContext, Component
 from wde.components.input_processor import InputName, TextInputParams, TextInputProcessor
 from wde.components.model_input_builder import ModelInput, PackedInputBuilder
 from wde.components.models.fused import l2_normalize
-from wde.components.multi_vector_config import TASKS, read_multi_vector_config, register_prefix_tokens
+from wde.components.multi_vector_config import (TASKS, is_multi_vector_folder, read_multi_vector_config,
+                                               register_prefix_tokens)
 from wde.components.params import MultiVectorPoolerParams
 from wde.components.pooler import Pooled, segment_ids
 from wde.components.request_processor import LazyTokenizeParams, LazyTokenizeRequestProcessor
@@ -57,7 +58,9 @@ class MultiVectorInput(TextInputProcessor):
 
     def __init__(self, params: TextInputParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
-        composed = read_multi_vector_config(ctx.source).prompts  # a PyLate folder's, with its prefixes in front
+        # a PyLate folder's prompts, with its prefixes in front (a workflow that names this processor for another
+        # folder, a plugin's, keeps the folder's sentence-transformers prompts)
+        composed = read_multi_vector_config(ctx.source).prompts if is_multi_vector_folder(ctx.source) else None
         if composed is not None:
             self.prompts = {**composed, **params.prompts}
         # A MultiVectorEncoder always has a `query` and a `document` prompt, empty (or saved as null) when the folder
@@ -86,10 +89,7 @@ class MultiVectorTokenize(LazyTokenizeRequestProcessor):
         super().__init__(params, ctx)
         cfg = read_multi_vector_config(ctx.source)
         if cfg.prefix_tokens:  # PyLate's "[Q] " / "[D] ": one piece each, as sentence-transformers registers them
-            hf = ctx.tokenizer.hf_tokenizer
-            original = getattr(ctx.tokenizer, "_tok", hf)  # the one later threads copy
-            for tok in {id(hf): hf, id(original): original}.values():
-                register_prefix_tokens(tok, cfg.prefix_tokens)
+            ctx.tokenizer.register_special_tokens(lambda hf: register_prefix_tokens(hf, cfg.prefix_tokens))
         where = ctx.source.path / "sentence_bert_config.json"
         self.expansion = cfg.expansion
         query = None if cfg.query_length is None else (cfg.query_length, "query_length")

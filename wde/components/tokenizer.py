@@ -7,7 +7,7 @@ import functools
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 from pydantic import Field
 
@@ -205,6 +205,16 @@ class HFTokenizer(Component):
         if ids and ids[-1] == eos:
             return ids, types
         return ids + [eos], (types + types[-1:] if types else types)
+
+    def register_special_tokens(self, register: "Callable[[Any], object]") -> None:
+        """Let `register(hf_tokenizer)` add special tokens (a late-interaction model's "[Q] " prefix, as one piece),
+        on the loaded tokenizer and on the copy this thread already uses, so every thread's tokenizer has them.
+        Call it while the engine is built, before any other thread tokenizes."""
+        with self._copy_lock:
+            register(self._tok)
+            mine = getattr(self._local, "tok", None)
+            if mine is not None and mine is not self._tok:
+                register(mine)
 
     @functools.cached_property
     def special_affixes(self) -> tuple[list[int], list[int]] | None:
