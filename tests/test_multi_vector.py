@@ -29,13 +29,11 @@ TEXTS = ["what is the capital of france?", "hi", "Paris is the capital of France
          "berlin, bonn; and hamburg? " * 6, "a b c d e f g h i j k l m n o p", "naïve café: größe, 東京!"]
 
 
-@pytest.fixture(scope="module")
-def backbone(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path) -> Path:
+def tiny_backbone(minilm_path: Path, out: Path) -> Path:
     """A tiny random BertModel (hidden 32, 2 layers) with all-MiniLM-L6-v2's tokenizer: real punctuation and a
     [MASK] token, quick to save and run."""
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    out = tmp_path_factory.mktemp("mv-backbone")
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(minilm_path)
     cfg = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -43,6 +41,11 @@ def backbone(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path) -> Pat
     BertModel(cfg).eval().save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def backbone(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path) -> Path:
+    return tiny_backbone(minilm_path, tmp_path_factory.mktemp("mv-backbone"))
 
 
 def build(backbone: Path, out: Path, *, prompts: dict | None = None, expansion: dict | None = None,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_multi_vector import TEXTS, assert_parity, build, st_model
+from tests.test_multi_vector import TEXTS, assert_parity, build, st_model, tiny_backbone
 from wde import Engine
 from wde.engine import resolve
 from wde.errors import ModelLoadError
@@ -25,18 +25,7 @@ PUNCTUATED = TEXTS + ["[Q] not a prefix here", "Q: [D] x", "... !!! ???"]
 
 @pytest.fixture(scope="module")
 def backbone(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path) -> Path:
-    """A tiny random BertModel with all-MiniLM-L6-v2's tokenizer (as tests/test_multi_vector.py's)."""
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    out = tmp_path_factory.mktemp("pylate-backbone")
-    torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(minilm_path)
-    cfg = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=64, max_position_embeddings=512)
-    BertModel(cfg).eval().save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return tiny_backbone(minilm_path, tmp_path_factory.mktemp("pylate-backbone"))
 
 
 def pylate(backbone: Path, out: Path, *, query_length: int = 12, document_length: int = 24,

@@ -177,12 +177,7 @@ def _read_pylate(source: "ModelSource", st: dict) -> MultiVectorConfig:
         words = list(string.punctuation)
     if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
         raise ModelLoadError(f"{st_where}: skiplist_words must be a list of strings, got {words!r}")
-    raw = source.read_json("modules.json")
-    where = source.path / "modules.json"
-    if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
-        raise ModelLoadError(f"{where}: a PyLate folder needs a modules.json listing its modules")
-    ordered = sorted(raw, key=lambda m: int(m.get("idx", 0)))
-    kinds = [_class(m) for m in ordered]
+    ordered, kinds, where = _ordered_modules(source, "PyLate")
     for m, kind in zip(ordered, kinds):
         if m.get("type") not in _PYLATE_MODULES:
             raise ModelLoadError(f"{where}: module {m.get('type')!r} is not implemented by WDE for PyLate folders (it"
@@ -192,17 +187,9 @@ def _read_pylate(source: "ModelSource", st: dict) -> MultiVectorConfig:
                              f" modules; this pipeline is {kinds}")
     stages: list[Stage] = []
     for m in ordered[1:]:
-        rel = str(m.get("path", ""))
-        cfg = source.read_json(f"{rel}/config.json") if rel else None
-        cfg = {"module_input_name": TOKENS, **(cfg if isinstance(cfg, dict) else {})}
-        folder = source.path / rel
-        name_in = cfg["module_input_name"]
-        for key, name in (("module_input_name", name_in), ("module_output_name", cfg.get("module_output_name")
-                                                                                 or name_in)):
-            if name != TOKENS:
-                raise ModelLoadError(f"{folder / 'config.json'}: Dense {key} is {name!r}; in a multi-vector pipeline"
-                                     f" only '{TOKENS}' exists")
-        stages.append(Stage("Dense", folder, cfg))
+        # PyLate's Dense predates module IO names: it reads token embeddings, as sentence-transformers loads it
+        folder, cfg = _module_config(source, m)
+        stages.append(_token_stage("Dense", folder, {"module_input_name": TOKENS, **cfg}))
     stages.append(Stage("Normalize", source.path, {"module_input_name": TOKENS}))
     query_length, document_length, expansion = _read_transformer(source, knobs)
     return MultiVectorConfig(tuple(stages), query_length, document_length, expansion, tuple(words), ("document",),
@@ -234,13 +221,39 @@ def register_prefix_tokens(tokenizer: Any, prefixes: tuple[str, ...]) -> list[st
     return registered
 
 
-def _read_modules(source: "ModelSource") -> tuple[tuple[Stage, ...], tuple]:
+def _ordered_modules(source: "ModelSource", what: str) -> tuple[list[dict], list[str], Path]:
+    """The folder's modules.json entries in order, their class names, and the file (for errors)."""
     raw = source.read_json("modules.json")
     where = source.path / "modules.json"
     if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
-        raise ModelLoadError(f"{where}: a MultiVectorEncoder folder needs a modules.json listing its modules")
+        raise ModelLoadError(f"{where}: a {what} folder needs a modules.json listing its modules")
     ordered = sorted(raw, key=lambda m: int(m.get("idx", 0)))
-    kinds = [_class(m) for m in ordered]
+    return ordered, [_class(m) for m in ordered], where
+
+
+def _module_config(source: "ModelSource", module: dict) -> tuple[Path, dict]:
+    """A module's folder and its config.json ({} when it has none)."""
+    rel = str(module.get("path", ""))
+    cfg = source.read_json(f"{rel}/config.json") if rel else None
+    return source.path / rel, cfg if isinstance(cfg, dict) else {}
+
+
+def _token_stage(kind: str, folder: Path, cfg: dict) -> Stage:
+    """A per-token module (Dense, Normalize), refused unless it reads and writes token embeddings (its input name
+    defaults to sentence-transformers' 'sentence_embedding', its output name to its input's)."""
+    name_in = cfg.get("module_input_name", "sentence_embedding")
+    names = {"module_input_name": name_in, "module_output_name": cfg.get("module_output_name") or name_in}
+    for key, name in names.items():
+        if name != TOKENS:
+            raise ModelLoadError(
+                f"{folder / 'config.json'}: {kind} {key} is {name!r}; in a multi-vector pipeline only"
+                f" '{TOKENS}' exists (sentence-transformers skips a Normalize on 'sentence_embedding', so"
+                f" the vectors stay unnormalized: save it with module_input_name='{TOKENS}')")
+    return Stage(kind, folder, cfg)
+
+
+def _read_modules(source: "ModelSource") -> tuple[tuple[Stage, ...], tuple]:
+    ordered, kinds, where = _ordered_modules(source, "MultiVectorEncoder")
     for m, kind in zip(ordered, kinds):
         if not str(m.get("type", "")).startswith("sentence_transformers.") or kind not in _MODULES:
             hint = " (token pooling merges vectors; WDE does not implement it yet)" if "TokenPooling" in kind else ""
@@ -255,22 +268,11 @@ def _read_modules(source: "ModelSource") -> tuple[tuple[Stage, ...], tuple]:
     stages: list[Stage] = []
     mask: tuple = ()
     for m, kind in zip(ordered[1:], kinds[1:]):
-        rel = str(m.get("path", ""))
-        cfg = source.read_json(f"{rel}/config.json") if rel else None
-        cfg = cfg if isinstance(cfg, dict) else {}
-        folder = source.path / rel
+        folder, cfg = _module_config(source, m)
         if kind == "MultiVectorMask":
             mask = _read_mask(cfg, folder / "config.json")
             continue
-        name_in = cfg.get("module_input_name", "sentence_embedding")  # sentence-transformers' defaults
-        names = {"module_input_name": name_in, "module_output_name": cfg.get("module_output_name") or name_in}
-        for key, name in names.items():
-            if name != TOKENS:
-                raise ModelLoadError(
-                    f"{folder / 'config.json'}: {kind} {key} is {name!r}; in a multi-vector pipeline only"
-                    f" '{TOKENS}' exists (sentence-transformers skips a Normalize on 'sentence_embedding', so"
-                    f" the vectors stay unnormalized: save it with module_input_name='{TOKENS}')")
-        stages.append(Stage(kind, folder, cfg))
+        stages.append(_token_stage(kind, folder, cfg))
     return tuple(stages), mask
 
 
