@@ -205,21 +205,7 @@ def _tokenize(tokenizer: Any, text: str, max_length: int | None,
     if hf is None or not getattr(hf, "is_fast", False):
         raise RequestError("late chunking needs a fast Hugging Face tokenizer's character offsets, and this"
                            " workflow's tokenizer has none", "input")
-    add_eos = tokenizer.params.add_eos
-    kwargs: dict[str, Any] = dict(add_special_tokens=True, return_offsets_mapping=True,
-                                  return_special_tokens_mask=True, return_attention_mask=False,
-                                  return_token_type_ids=False)
-    if max_length is not None:
-        kwargs.update(truncation=True, max_length=max_length - 1 if add_eos else max_length)
-        hf.truncation_side = direction
-    enc = hf(text, **kwargs)
-    ids = list(enc["input_ids"])
-    offsets = [(0, 0) if special else (int(a), int(b))
-               for (a, b), special in zip(enc["offset_mapping"], enc["special_tokens_mask"])]
-    if add_eos and (not ids or ids[-1] != hf.eos_token_id):
-        ids.append(hf.eos_token_id)
-        offsets.append((0, 0))
-    return ids, offsets
+    return tokenizer.encode_with_offsets(text, max_length, direction)  # type: ignore[arg-type]
 
 
 def _token_ranges(content: list[tuple[int, int, int]], char_ranges: list[tuple[int, int]],

@@ -183,16 +183,41 @@ class HFTokenizer(Component):
             return []
         texts = [p.text for p in prompts]
         pairs = [p.text_pair for p in prompts] if isinstance(prompts[0], PairPrompt) else None
-        kwargs: dict = dict(add_special_tokens=True, return_attention_mask=False, return_token_type_ids=self._returns_types)
-        if max_length is not None:
-            room = max_length - 1 if self.params.add_eos else max_length
-            kwargs.update(truncation="only_second" if pairs else True, max_length=room)
+        kwargs = self._call_kwargs(max_length, pairs=pairs is not None)
+        kwargs["return_token_type_ids"] = self._returns_types
         tok = self._hf()
         tok.truncation_side = direction
         enc = tok(texts, pairs, **kwargs) if pairs else tok(texts, **kwargs)
         types = enc.get("token_type_ids") if self._returns_types else None
         out = [(ids, types[i] if types is not None else None) for i, ids in enumerate(enc["input_ids"])]
         return [self._with_eos(ids, t) for ids, t in out] if self.params.add_eos else out
+
+    def encode_with_offsets(self, text: str, max_length: int | None = None,
+                            direction: Literal["left", "right"] = "right") -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode`'s token ids of one text, with each token's character offsets ((0, 0) for special tokens and the
+        EOS `add_eos` appends): what late chunking maps character spans with. Needs a fast tokenizer."""
+        kwargs = self._call_kwargs(max_length, pairs=False)
+        kwargs.update(return_token_type_ids=False, return_offsets_mapping=True, return_special_tokens_mask=True)
+        tok = self._hf()
+        tok.truncation_side = direction
+        enc = tok(text, **kwargs)
+        ids = list(enc["input_ids"])
+        offsets = [(0, 0) if special else (int(a), int(b))
+                   for (a, b), special in zip(enc["offset_mapping"], enc["special_tokens_mask"])]
+        if self.params.add_eos:
+            with_eos, _ = self._with_eos(ids, None)
+            offsets += [(0, 0)] * (len(with_eos) - len(ids))
+            ids = with_eos
+        return ids, offsets
+
+    def _call_kwargs(self, max_length: int | None, pairs: bool) -> dict[str, Any]:
+        """The Hugging Face tokenizer's arguments: special tokens, and truncation to `max_length` (pairs: the second
+        text only) leaving room for the EOS `add_eos` appends."""
+        kwargs: dict[str, Any] = dict(add_special_tokens=True, return_attention_mask=False)
+        if max_length is not None:
+            room = max_length - 1 if self.params.add_eos else max_length
+            kwargs.update(truncation="only_second" if pairs else True, max_length=room)
+        return kwargs
 
     def min_pair_length(self, prompt: PairPrompt) -> int:
         """The fewest tokens `prompt` can be truncated to: truncation cuts only the second text and leaves it at
