@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, run first whenever a session is lent a GPU (docs/benchmarks.md records its figures with the GPU named):
 # the CUDA tests, fp16 parity of every bundled family, offline throughput (BERT base and XLM-R large against
-# sentence-transformers) and serving load. Under 8 minutes on an H100; each step has its own time limit, so one that
+# sentence-transformers) and serving load. About 8 minutes on an H100 or H200; each step has its own time limit, so one that
 # hangs costs its limit, not the lease, and the rest still run.
 #
 #     benchmarks/gpu_prepare.sh            # here, once: wheels the GPU image lacks + MiniLM's tokenizer into .gpu/
@@ -64,7 +64,7 @@ import torch, torch.nn.functional as F  # docs/images.md: torch's CPU antialiase
 c = torch.tensor([1., 2, 3, 4]).view(1, 1, 4, 1)
 for dev in ('cpu', 'cuda'):
     print(dev, F.interpolate(c.to(dev), size=(8, 1), mode='bilinear', antialias=True).flatten().tolist())"
-step serve_load 120 $PY benchmarks/serve_load.py --model /tmp/wde-bert-base --clients 256 --requests 8000
+step serve_load 180 $PY benchmarks/serve_load.py --model /tmp/wde-bert-base --clients 256 --requests 4000
 
 echo "=== summary"
 for k in "${!RC[@]}"; do echo "$k ${RC[$k]}"; done | sort | tee "$OUT/summary.txt"
