@@ -70,7 +70,7 @@ def test_scorer_is_built_after_the_pooler_and_exported() -> None:
 
 
 def test_every_bundled_workflow_names_a_scorer() -> None:
-    expected = {"bert": "auto", "multi_vector": "maxsim", "cross_encoder": "cross_encoder", "splade": "none",
+    expected = {"bert": "auto", "multi_vector": "maxsim", "cross_encoder": "cross_encoder", "splade": "auto",
                 "sequence_classification": "auto", "bge_reranker_v2_m3": "cross_encoder", "clip": "cosine",
                 "qwen3_reranker": "cross_encoder", "qwen3_embedding": "auto", "decoder_features": "auto",
                 "bge_m3": "cosine"}

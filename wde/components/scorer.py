@@ -3,8 +3,8 @@
 TEI /similarity).
 
 A scorer either scores each (query, document) pair in one pass of the model (`pairs`: a cross-encoder reads its
-pair's `output`), or embeds the query and the documents on their own and compares them (`score`: cosine of dense
-vectors, MaxSim of multi-vector ones). It names the output it reads and what each side is run with
+pair's `output`), or embeds the query and the documents on their own and compares them (`score`: cosine, dot product or
+minus a distance of dense or sparse vectors, MaxSim of multi-vector ones). It names the output it reads and what each side is run with
 (`side_params`: the output, and for a late-interaction model the per-request option `task`), so a caller needs
 nothing else to know about the model. It is built after the pooler, reads only the pooler's public attributes
 (`outputs`, and for `maxsim` `similarity_fn_name`), and keeps no reference to any component: its state is plain
@@ -42,7 +42,8 @@ class Scorer(Component):
 
     kind = "scorer"
     output: str | None = None
-    """The pooler output the scores come from ('score', 'dense', 'colbert'); None: this workflow does not score."""
+    """The pooler output the scores come from ('score', 'dense', 'sparse', 'colbert'); None: this workflow does not
+    score."""
     pairs: bool = False
     """True: each (query, document) pair is one input of the model (a cross-encoder); False: the query and each
     document are embedded on their own (`query` and `document` sides) and compared by `score`."""
@@ -56,7 +57,8 @@ class Scorer(Component):
             raise ModelLoadError(f"scorer {self.name!r} scores output {self.output!r}, which pooler"
                                  f" {ctx.pooler.name!r} does not produce (it produces {list(produced)}); name a"
                                  " scorer that fits (cross_encoder: 'score', cosine: 'dense', maxsim: 'colbert',"
-                                 " none; auto picks by the pooler's outputs)")
+                                 " dot / euclidean / manhattan: 'dense' or 'sparse', none; auto picks by the"
+                                 " pooler's outputs and the folder)")
 
     @property
     def scoring(self) -> str:
@@ -115,6 +117,99 @@ class CosineScorer(Scorer):
         return matrix @ np.asarray(query["dense"], dtype=np.float32)
 
 
+SIMILARITIES: tuple[str, ...] = ("cosine", "dot", "euclidean", "manhattan")
+"""The `similarity_fn_name` values of a sentence-transformers dense or sparse folder that WDE scores with (`auto`
+picks the scorer of that name; cosine is the default where a folder names none, dot for a SparseEncoder)."""
+
+
+def _vectors(output: str, query: Outputs, documents: Sequence[Outputs]) -> tuple[np.ndarray, np.ndarray]:
+    """The query's vector [dim] and the documents' [len(documents), dim] as float32. A sparse output ({key: weight}
+    per input) becomes dense vectors over the keys any of them has, so each similarity is the sparse one exactly
+    (keys none of them has add 0 to a dot product and to either distance)."""
+    if output != "sparse":
+        return (np.asarray(query[output], dtype=np.float32),
+                np.stack([np.asarray(d[output], dtype=np.float32) for d in documents]))
+    rows = [query[output], *(d[output] for d in documents)]
+    column = {key: i for i, key in enumerate(dict.fromkeys(k for row in rows for k in row))}
+    dense = np.zeros((len(rows), len(column)), dtype=np.float32)
+    for r, row in enumerate(rows):
+        if row:
+            dense[r, [column[k] for k in row]] = list(row.values())
+    return dense[0], dense[1:]
+
+
+class VectorScorer(Scorer):
+    """Base of the scorers that compare one vector per side as embedded, unnormalized (a folder's own Normalize
+    module still applies): the 'dense' vectors, or where the pooler has none its 'sparse' weights
+    ({token: weight}), as sentence-transformers' `similarity` / `SparseEncoder.similarity` compare what `encode`
+    gives. A subclass implements `compare`."""
+
+    def __init__(self, params: Params, ctx: BuildContext) -> None:
+        produced = tuple(ctx.pooler.outputs)
+        self.output = "sparse" if "dense" not in produced and "sparse" in produced else "dense"
+        super().__init__(params, ctx)
+
+    def score(self, query: Outputs, documents: Sequence[Outputs]) -> np.ndarray:
+        if not documents:
+            return np.zeros(0, dtype=np.float32)
+        q, docs = _vectors(str(self.output), query, documents)
+        return self.compare(q, docs).astype(np.float32)
+
+    def compare(self, query: np.ndarray, documents: np.ndarray) -> np.ndarray:
+        """[len(documents)]: the query vector [dim] against each row of `documents` [n, dim]."""
+        raise NotImplementedError
+
+
+class DotScorer(VectorScorer):
+    """The dot product of the query's and each document's vector, for models trained with it
+    (`similarity_fn_name: "dot"`: sentence-transformers' `dot_score`) and SPLADE's sparse weights (the sum over the
+    tokens both have of the product of their weights, as `SparseEncoder.similarity` scores by default)."""
+
+    name = "dot"
+
+    def compare(self, query: np.ndarray, documents: np.ndarray) -> np.ndarray:
+        return documents @ query
+
+
+class EuclideanScorer(VectorScorer):
+    """Minus the Euclidean distance between the query's and each document's vector (`similarity_fn_name:
+    "euclidean"`, sentence-transformers' `euclidean_sim`); dense or sparse."""
+
+    name = "euclidean"
+
+    def compare(self, query: np.ndarray, documents: np.ndarray) -> np.ndarray:
+        diff = documents.astype(np.float64) - query
+        return -np.sqrt((diff * diff).sum(axis=1))
+
+
+class ManhattanScorer(VectorScorer):
+    """Minus the Manhattan (L1) distance between the query's and each document's vector (`similarity_fn_name:
+    "manhattan"`, sentence-transformers' `manhattan_sim`); dense or sparse."""
+
+    name = "manhattan"
+
+    def compare(self, query: np.ndarray, documents: np.ndarray) -> np.ndarray:
+        return -np.abs(documents.astype(np.float64) - query).sum(axis=1)
+
+
+def folder_similarity(ctx: BuildContext, output: str) -> str:
+    """The similarity a sentence-transformers folder says its `output` vectors are compared with
+    (config_sentence_transformers.json `similarity_fn_name`; `dot_product` is `dot`): its default where it names
+    none (cosine for dense vectors, dot for sparse ones, as sentence-transformers picks). One WDE does not score
+    with is refused at build by name, never scored with another."""
+    config = ctx.source.read_json("config_sentence_transformers.json") or {}
+    name = config.get("similarity_fn_name") if isinstance(config, dict) else None
+    if name is None:
+        return "dot" if output == "sparse" else "cosine"
+    name = "dot" if name == "dot_product" else name
+    known = SIMILARITIES if output == "dense" else tuple(s for s in SIMILARITIES if s != "cosine")
+    if name not in known:
+        raise ModelLoadError(f"{ctx.source.path / 'config_sentence_transformers.json'}: similarity_fn_name {name!r}"
+                             f" is not a similarity WDE scores {output} vectors with (it scores {', '.join(known)});"
+                             " set scorer.name to one of them (or none) to serve the model anyway")
+    return name
+
+
 @runtime_checkable
 class DeclaresSimilarity(Protocol):
     """A multi-vector pooler that says how its model's MaxSim adds up ('maxsim' or 'meanmaxsim'), as the
@@ -166,20 +261,29 @@ class NoScorer(Scorer):
 
 
 class AutoScorer(Scorer):
-    """The scorer the pooler's outputs call for, picked at build: `cross_encoder` for 'score', `cosine` for
-    'dense', `maxsim` for 'colbert', else `none`. For a workflow whose outputs depend on the model folder (a
-    sequence classifier is a cross-encoder with one label, a classifier with more)."""
+    """The scorer the pooler's outputs and the folder call for, picked at build: `cross_encoder` for 'score';
+    for 'dense' vectors the folder's `similarity_fn_name` (`cosine` where it names none, `dot`, `euclidean`,
+    `manhattan`); `maxsim` for 'colbert'; for 'sparse' weights the folder's similarity (`dot` where it names none,
+    as `SparseEncoder`); else `none`. A similarity WDE does not score with is refused at build, by name. For a
+    workflow whose outputs depend on the model folder (a sequence classifier is a cross-encoder with one label, a
+    classifier with more)."""
 
     name = "auto"
 
     def __init__(self, params: Params, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
         produced = tuple(ctx.pooler.outputs)
+        by_name: dict[str, type[Scorer]] = {"cosine": CosineScorer, "dot": DotScorer, "euclidean": EuclideanScorer,
+                                            "manhattan": ManhattanScorer}
         picked: type[Scorer] = NoScorer
-        for output, cls in (("score", CrossEncoderScorer), ("dense", CosineScorer), ("colbert", MaxSimScorer)):
-            if output in produced:
-                picked = cls
-                break
+        if "score" in produced:
+            picked = CrossEncoderScorer
+        elif "dense" in produced:
+            picked = by_name[folder_similarity(ctx, "dense")]
+        elif "colbert" in produced:
+            picked = MaxSimScorer
+        elif "sparse" in produced:
+            picked = by_name[folder_similarity(ctx, "sparse")]
         self.picked: Scorer = picked(picked.Params(), ctx)
         """The scorer it stands for."""
         self.output, self.pairs, self.side_options = self.picked.output, self.picked.pairs, self.picked.side_options
