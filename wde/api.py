@@ -26,7 +26,8 @@ if TYPE_CHECKING:
                                             BertModel, BertSelfOutput)
     from wde.components.models.decoder_layers import RMSNorm
     from wde.components.models.fused import add_layer_norm, add_rms_norm, l2_normalize
-    from wde.components.models.loader import fused_linear, load_weights
+    from wde.components.lora import AdapterTable, LoraLinear, LoraSet, read_peft_adapter
+    from wde.components.models.loader import checkpoint_target, fused_linear, load_weights
     from wde.components.params import AttentionParams, ModelParams, SentencePoolerParams
     from wde.components.pooler import (ChunkedPooling, Pooled, SentencePooler, SpanPooling, StPooling, finish_embeddings, pool,
                                       segment_ids, st_pooling, st_pooling_mode)
@@ -85,6 +86,11 @@ _PUBLIC: dict[str, str] = {
     "fused_linear": "wde.components.models.loader",
     "ConfigView": "wde.components.models.config_view",
     "load_weights": "wde.components.models.loader",
+    "checkpoint_target": "wde.components.models.loader",
+    "LoraSet": "wde.components.lora",
+    "LoraLinear": "wde.components.lora",
+    "AdapterTable": "wde.components.lora",
+    "read_peft_adapter": "wde.components.lora",
     "add_layer_norm": "wde.components.models.fused",
     "add_rms_norm": "wde.components.models.fused",
     "l2_normalize": "wde.components.models.fused",

@@ -104,7 +104,7 @@ class BatchStats:
 
 def resolve(workflow: str | Path | None = None, model: str | Path | None = None, *,
             overrides: Iterable[str] | None = None, trust_remote_code: bool = False, dtype: str | None = None,
-            device: str | None = None, registry: Registry | None = None,
+            device: str | None = None, registry: Registry | None = None, lora_modules: Mapping[str, str] | None = None,
             **component_overrides: Mapping[str, Any]) -> tuple[ResolvedWorkflow, ModelSource]:
     """The workflow and model source `Engine.from_workflow` builds from (same arguments); an API server of a
     split engine resolves them too, to build the components it runs itself (tokenizer, input processor)."""
@@ -113,6 +113,8 @@ def resolve(workflow: str | Path | None = None, model: str | Path | None = None,
     if workflow is None:
         workflow = registry.workflow_for(source.architectures, source)
     shortcuts = [(("model", "params", k), v) for k, v in (("dtype", dtype), ("device", device)) if v is not None]
+    if lora_modules:
+        shortcuts.append((("model", "params", "lora", "modules"), {k: str(v) for k, v in lora_modules.items()}))
     resolved = load_workflow(workflow, overrides_to_paths(overrides) + overrides_to_paths(component_overrides) + shortcuts,
                              registry=registry)
     served = set(resolved.architectures)
@@ -270,6 +272,7 @@ class Engine:
         dtype: str | None = None,
         device: str | None = None,
         registry: Registry | None = None,
+        lora_modules: Mapping[str, str | Path] | None = None,
         **component_overrides: Mapping[str, Any],
     ) -> "Engine":
         """Build an engine from a workflow file or registered name.
@@ -281,11 +284,13 @@ class Engine:
         :param dtype, device: shortcuts for ``model.params.dtype`` / ``model.params.device``.
         :param registry: resolve names in this registry instead of the installed one (test a plugin without
             installing it: ``Registry.from_plugin_manager(pm)``); the architecture check applies as usual.
+        :param lora_modules: LoRA adapters by name → PEFT folder, a shortcut for ``model.params.lora.modules``;
+            a request picks one with ``PoolingParams(options={"adapter": NAME})`` (docs/adapters.md).
         :param component_overrides: per-kind dicts merged into the workflow, e.g.
             ``scheduler={"params": {"max_num_requests": 8}}`` (the model kind: use `overrides`).
         """
         return cls(*resolve(workflow, model, overrides=overrides, trust_remote_code=trust_remote_code, dtype=dtype,
-                            device=device, registry=registry, **component_overrides))
+                            device=device, registry=registry, lora_modules=lora_modules, **component_overrides))
 
     def make_request(self, inputs: Any, params: PoolingParams | None = None, request_id: str | None = None,
                      field: str | tuple[str, str] = "input") -> Request:

@@ -9,12 +9,16 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from wde.components.base import BuildContext, Component, Params
 from wde.components.scheduler import SchedulerOutput
 from wde.request import PoolingParams
+
+if TYPE_CHECKING:
+    from wde.components.lora import AdapterTable
 
 
 @dataclass
@@ -43,6 +47,10 @@ class ModelInput:
     dense [L, L] bias), the others refuse the batch. A query left with no key to attend outputs zeros from
     attention."""
 
+    adapter_ids: torch.Tensor | None = None
+    """Long [tokens], packed like `input_ids`: each token's LoRA adapter slot (0: none; wde/components/lora.py),
+    from its sequence's request. None: no token has an adapter."""
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
@@ -56,7 +64,8 @@ class ModelInput:
         move = lambda t: None if t is None else t.to(device, non_blocking=nb)  # noqa: E731
         return replace(self, input_ids=move(self.input_ids), positions=move(self.positions),
                        cu_seqlens=move(self.cu_seqlens), token_type_ids=move(self.token_type_ids),
-                       pixel_values=move(self.pixel_values), key_mask=move(self.key_mask))
+                       pixel_values=move(self.pixel_values), key_mask=move(self.key_mask),
+                       adapter_ids=move(self.adapter_ids))
 
     @property
     def has_images(self) -> bool:
@@ -80,7 +89,8 @@ class ModelInput:
         return ModelInput(self.input_ids[index], self.positions[index], cu, lens, max(lens),
                           None if self.token_type_ids is None else self.token_type_ids[index],
                           [self.pooling_params[i] for i in seqs] if self.pooling_params else [], pixels, mask,
-                          None if self.key_mask is None else self.key_mask[index])
+                          None if self.key_mask is None else self.key_mask[index],
+                          None if self.adapter_ids is None else self.adapter_ids[index])
 
     def by_modality(self) -> tuple[tuple[list[int], "ModelInput"] | None, tuple[list[int], "ModelInput"] | None]:
         """(text, images): each the indices of its sequences in this batch and the batch of just those (None when
@@ -123,7 +133,8 @@ class ModelInput:
             pieces.append(ModelInput(
                 self.input_ids[t0:t1], self.positions[t0:t1], self.cu_seqlens[s0:s1 + 1] - t0, lens, max(lens),
                 None if self.token_type_ids is None else self.token_type_ids[t0:t1], self.pooling_params[s0:s1],
-                pixels, mask, None if self.key_mask is None else self.key_mask[t0:t1]))
+                pixels, mask, None if self.key_mask is None else self.key_mask[t0:t1],
+                None if self.adapter_ids is None else self.adapter_ids[t0:t1]))
         return pieces
 
 
@@ -137,6 +148,12 @@ class PackedInputBuilder(Component):
     def __init__(self, params: Params, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
         self._pin = torch.cuda.is_available()
+        self._adapters: AdapterTable | None = None
+
+    def use_adapters(self, table: "AdapterTable") -> None:
+        """Pack each token's LoRA adapter slot (`ModelInput.adapter_ids`) as `table` maps its request's option;
+        called by a model that takes adapters (`PrefillModel.use_lora`)."""
+        self._adapters = table
 
     def build(self, batch: SchedulerOutput) -> ModelInput:
         seqs = batch.scheduled
@@ -151,9 +168,16 @@ class PackedInputBuilder(Component):
         types = None
         if any(s.token_type_ids is not None for s in seqs):
             types = torch.tensor([t for s in seqs for t in (s.token_type_ids or [0] * s.num_tokens)], dtype=torch.long)
-        mi = ModelInput(input_ids, positions, cu, lens, max(lens), types, [s.params for s in seqs])
+        adapters = None
+        if self._adapters is not None:
+            slots = [self._adapters.slot_of(s.params) for s in seqs]
+            if any(slots):
+                adapters = torch.repeat_interleave(torch.tensor(slots, dtype=torch.long), lens_t)
+        mi = ModelInput(input_ids, positions, cu, lens, max(lens), types, [s.params for s in seqs],
+                        adapter_ids=adapters)
         if self._pin:
             mi = replace(mi, input_ids=mi.input_ids.pin_memory(), positions=mi.positions.pin_memory(),
                          cu_seqlens=mi.cu_seqlens.pin_memory(),
-                         token_type_ids=None if types is None else mi.token_type_ids.pin_memory())
+                         token_type_ids=None if types is None else mi.token_type_ids.pin_memory(),
+                         adapter_ids=None if adapters is None else adapters.pin_memory())
         return mi

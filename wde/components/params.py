@@ -22,6 +22,21 @@ CpuLinear = Literal["auto", "torch", "onednn"]
 """How a model's linear layers run on CPU (wde/components/models/cpu_linear.py)."""
 
 
+class LoraParams(Params):
+    """LoRA adapters applied per request (wde/components/lora.py, docs/adapters.md)."""
+
+    modules: dict[str, str] = {}
+    """Adapter name → PEFT LoRA folder (`adapter_config.json` + `adapter_model.safetensors`), loaded at start; a
+    request picks one by name with the option `adapter` (`PoolingParams.options`); `none` (the default) is the base
+    model. Requests for different adapters share a batch."""
+    enable: bool = False
+    """Make the model ready for adapters even when `modules` names none (adapters loaded at run time); on by
+    itself when `modules` names any. Ready means every linear layer computes its adapters' deltas, so the CPU's
+    fused linear+GELU kernels are not used (the delta is added before the activation)."""
+    max_adapters: int = Field(8, ge=1, le=1024)
+    """How many adapters may be loaded at once, at start and at run time together."""
+
+
 class ModelParams(Params):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     """auto: float16 on CUDA, float32 on CPU."""
@@ -40,6 +55,8 @@ class ModelParams(Params):
     float32 (weights too); auto: float32 for each where this CPU runs it clearly faster than the low dtype (some
     avx512_bf16 CPUs without AMX do), timed once per host on the model's shapes and cached
     (wde/components/models/cpu_kernels.py)."""
+    lora: LoraParams = LoraParams()
+    """Per-request LoRA adapters (docs/adapters.md); none by default."""
 
 
 class AttentionParams(Params):

