@@ -37,6 +37,8 @@ DEFAULT_ARCHITECTURES: dict[str, str] = {
     "CLIPModel": "clip",
     "SiglipModel": "siglip",
     "Siglip2Model": "siglip2",
+    "ColPaliForRetrieval": "colpali",
+    "ColQwen2ForRetrieval": "colqwen2",
     "Gemma3TextModel": "embeddinggemma",
     "DebertaV2Model": "deberta_v2",
     "DebertaV2ForSequenceClassification": "deberta_v2_sequence_classification",
