@@ -125,9 +125,8 @@ def test_plugin_is_under_100_lines_of_wde_api_only() -> None:
 
 
 def test_vectors_and_scores_match_colbert(registry: Registry, checkpoint: Path) -> None:
-    with Engine.from_workflow(None, checkpoint, registry=registry, dtype="float32", device="cpu",
+    with Engine.from_workflow("stanford_colbert", checkpoint, registry=registry, dtype="float32", device="cpu",
                               overrides=[f"model.params.dim={DIM}"]) as engine:
-        assert engine.workflow.name == "stanford_colbert"  # picked by the HF_ColBERT architecture
         queries = [o.outputs["colbert"] for o in engine.encode(QUERIES, QUERY)]
         docs = [o.outputs["colbert"] for o in engine.encode(DOCS, DOCUMENT)]
         scores = engine.score([(q, d) for q in QUERIES for d in DOCS])
@@ -136,3 +135,17 @@ def test_vectors_and_scores_match_colbert(registry: Registry, checkpoint: Path) 
         assert got.shape == want.shape and np.abs(got - want).max() <= TOL
     maxsim = [(q @ d.T).max(1).sum() for q in want_q for d in want_d]
     assert np.abs(scores - np.array(maxsim)).max() <= 1e-3
+
+
+def test_builtin_workflow_serves_the_same_folder(registry: Registry, checkpoint: Path) -> None:
+    """Without --workflow the folder gets WDE's built-in multi_vector workflow (the plugin registers no architecture,
+    so the two do not compete for HF_ColBERT), and it gives the plugin's vectors."""
+    sides = (PoolingParams(truncate=True, options={"task": "query"}), DOCUMENT)  # the plugin cuts queries itself
+    with Engine.from_workflow(None, checkpoint, registry=registry) as builtin:
+        assert builtin.workflow.name == "multi_vector"
+        want = [o.outputs["colbert"] for p in sides for o in builtin.encode(QUERIES + DOCS, p)]
+    with Engine.from_workflow("stanford_colbert", checkpoint, registry=registry,
+                              overrides=[f"model.params.dim={DIM}"]) as plugin:
+        got = [o.outputs["colbert"] for p in (QUERY, DOCUMENT) for o in plugin.encode(QUERIES + DOCS, p)]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and np.abs(g - w).max() <= TOL

@@ -91,6 +91,26 @@ def assert_parity(engine: Engine, st, texts: list[str]) -> None:  # noqa: ANN001
             assert np.abs(got - want.numpy()).max(initial=0.0) <= TOL, (params.options, text)
 
 
+def assert_one_step(engine: Engine, st, texts: list[str]) -> None:  # noqa: ANN001
+    """Every text as a query and as a document, all packed into one engine step (queries and documents
+    interleaved): the same token rows as sentence-transformers' encode_query / encode_document, within TOL."""
+    requests, expected = [], []
+    for params, encode in ((QUERY, st.encode_query), (DOCUMENT, st.encode_document)):
+        requests += [engine.make_request(text, params) for text in texts]
+        expected += list(encode(texts))
+    order = [i for pair in zip(range(len(texts)), range(len(texts), 2 * len(texts))) for i in pair]
+    batches: list = []
+    engine.on_batch = batches.append
+    try:
+        done = engine.run([requests[i] for i in order])
+    finally:
+        engine.on_batch = None
+    assert [b.num_requests for b in batches] == [len(requests)]
+    for request, want in zip(requests, expected):
+        got = done[request.request_id].outputs["colbert"]
+        assert got.shape == tuple(want.shape) and np.abs(got - want.numpy()).max(initial=0.0) <= TOL
+
+
 VARIANTS = {
     "prompts-fixed-masked-skiplist": dict(prompts={"query": "[Q] ", "document": "[D] "},
                                           expansion={"strategy": "fixed", "length": 12}, document_length=24,
@@ -261,10 +281,10 @@ REFUSALS = {
     "normalize-on-sentence-embedding": (
         lambda f: _edit(f / "3_Normalize/config.json", lambda c: c.update(module_input_name="sentence_embedding")),
         "Normalize module_input_name is 'sentence_embedding'"),
-    "token-pooling": (
+    "other-token-pooling": (
         lambda f: _add_module(f, "sentence_transformers.multi_vector_encoder.modules.token_pooling."
-                                 "HierarchicalTokenPooling"),
-        "HierarchicalTokenPooling.* is not implemented .*token pooling"),
+                                 "LambdaTokenPooling"),
+        "LambdaTokenPooling.* is not implemented .*WDE implements HierarchicalTokenPooling"),
     "similarity": (
         lambda f: _edit(f / "config_sentence_transformers.json", lambda c: c.update(similarity_fn_name="cosine")),
         "similarity_fn_name 'cosine' is not implemented"),

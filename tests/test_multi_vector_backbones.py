@@ -1,7 +1,8 @@
 """Late interaction on the other backbones WDE serves (issue 35): sentence-transformers 6 `MultiVectorEncoder` folders
 on XLM-RoBERTa (jina-colbert-v2 style) and ModernBERT (GTE-ModernColBERT style, with its local attention layers)
-give `encode_query` / `encode_document`'s token vectors, each through a workflow picked from the folder; the same
-backbones without a MultiVectorEncoder folder keep their dense workflows."""
+give `encode_query` / `encode_document`'s token vectors (also with queries and documents in one engine step), each
+through a workflow picked from the folder; the same backbones without a MultiVectorEncoder folder keep their dense
+workflows."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests import test_modernbert, tiny_models
-from tests.test_multi_vector import assert_parity, build, st_model
+from tests.test_multi_vector import assert_one_step, assert_parity, build, st_model
 from wde import Engine
 from wde.engine import resolve
 
@@ -35,4 +36,6 @@ def test_backbone_matches_sentence_transformers(backbone: str, workflow: str, de
     assert resolve(None, base)[0].name == dense
     with Engine.from_workflow(None, folder) as engine:
         assert engine.workflow.name == workflow
-        assert_parity(engine, st_model(folder), TEXTS)
+        st = st_model(folder)
+        assert_parity(engine, st, TEXTS)
+        assert_one_step(engine, st, TEXTS)

@@ -2,8 +2,8 @@
 (`MultiVectorEncoder(folder)`: prefixes composed into the prompts, the flat expansion settings translated, a
 MultiVectorMask with the skiplist and a per-token Normalize appended, "[Q] " / "[D] " registered as one piece): each
 token matrix of `encode_query` / `encode_document` (same rows, <= 1e-4) with and without
-`attend_to_expansion_tokens`, with the default punctuation skiplist and an explicit one, without query expansion;
-the workflow picked from the folder; and what is refused, by name. The folders are saved by sentence-transformers and
+`attend_to_expansion_tokens`, with the default punctuation skiplist and an explicit one, without query expansion,
+queries and documents in one engine step; the workflow picked from the folder; and what is refused, by name. The folders are saved by sentence-transformers and
 rewritten into PyLate's layout, as PyLate 1.x saves one (its tokenizer with `add_tokens(["[Q] ", "[D] "])` and the
 embeddings resized)."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_multi_vector import TEXTS, assert_parity, build, st_model, tiny_backbone
+from tests.test_multi_vector import TEXTS, assert_one_step, assert_parity, build, st_model, tiny_backbone
 from wde import Engine
 from wde.engine import resolve
 from wde.errors import ModelLoadError
@@ -99,6 +99,7 @@ def test_matches_sentence_transformers(variant: str, backbone: Path, tmp_path: P
     with Engine.from_workflow(None, folder) as engine:
         assert engine.workflow.name == "multi_vector"
         assert_parity(engine, st, PUNCTUATED)
+        assert_one_step(engine, st, PUNCTUATED[:4])
         hf = engine.tokenizer.hf_tokenizer if hasattr(engine, "tokenizer") else None
         if hf is not None:
             assert hf.tokenize(prefix + "hello") == [prefix, "hello"]

@@ -1,5 +1,5 @@
-"""Late interaction (ColBERT-style multi-vector models): sentence-transformers 6 `MultiVectorEncoder` folders, one
-vector per scored token, with a query and a document side picked per request by the option `task` (`document`, the
+"""Late interaction (ColBERT-style multi-vector models): sentence-transformers 6 `MultiVectorEncoder` folders (and PyLate
+v3 and Stanford ColBERT folders, read as it reads them), one vector per scored token, with a query and a document side picked per request by the option `task` (`document`, the
 default, or `query`), as `encode_document` / `encode_query` do.
 
 The `task` changes three stages, and each component that reads it declares it (`TASKS`):
@@ -10,7 +10,9 @@ The `task` changes three stages, and each component that reads it declares it (`
   (`query_expansion`); without `attend`, its input builder masks those tokens as keys (`ModelInput.key_mask`);
 - the pooler scores every token of a query (expansion tokens included) and drops a document's skiplist tokens
   (and keeps only `keep_only_token_ids` where set), as `MultiVectorMask` does, then runs the folder's per-token
-  Dense and Normalize modules, on the device, for the whole batch at once (output 'colbert', ragged).
+  projection, Dense and Normalize modules, on the device, for the whole batch at once (output 'colbert', ragged),
+  and merges the vectors of the tasks a `HierarchicalTokenPooling` pools (documents by default;
+  wde/components/token_pooling.py).
 
 The folder is read and checked by wde/components/multi_vector_config.py. `maxsim` scores a query against documents.
 """
@@ -34,6 +36,7 @@ from wde.components.pooler import Pooled, segment_ids
 from wde.components.request_processor import LazyTokenizeParams, LazyTokenizeRequestProcessor
 from wde.components.scheduler import SchedulerOutput
 from wde.components.st_modules import StModule, after_pooling
+from wde.components.token_pooling import pool_tokens
 from wde.errors import ModelLoadError, RequestError
 from wde.request import PoolingParams, Prompt, Request, SchedulableRequest, TokensPrompt
 
@@ -58,9 +61,12 @@ class MultiVectorInput(TextInputProcessor):
 
     def __init__(self, params: TextInputParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
-        # a PyLate folder's prompts, with its prefixes in front (a workflow that names this processor for another
-        # folder, a plugin's, keeps the folder's sentence-transformers prompts)
-        composed = read_multi_vector_config(ctx.source).prompts if is_multi_vector_folder(ctx.source) else None
+        # a PyLate folder's prompts, with its prefixes in front, or a Stanford folder's markers (a workflow that names
+        # this processor for another folder, a plugin's, keeps the folder's sentence-transformers prompts; one that
+        # gives both prompts itself, e.g. examples/wde-plugin-colbert's, needs none of the folder's)
+        composed = None
+        if not {"query", "document"} <= set(params.prompts) and is_multi_vector_folder(ctx.source):
+            composed = read_multi_vector_config(ctx.source).prompts
         if composed is not None:
             self.prompts = {**composed, **params.prompts}
         # A MultiVectorEncoder always has a `query` and a `document` prompt, empty (or saved as null) when the folder
@@ -178,7 +184,12 @@ class MultiVectorInputBuilder(PackedInputBuilder):
 
 class MultiVectorPooler(Component):
     """A MultiVectorEncoder's modules after the Transformer: `MultiVectorMask` (which tokens are scored, per task),
-    the per-token Dense modules and Normalize. Output 'colbert': each request's scored tokens' vectors, float32.
+    the per-token projection (Stanford's `linear.weight`), Dense modules and Normalize, then a
+    `HierarchicalTokenPooling`. Output 'colbert': each request's scored (or pooled) tokens' vectors, float32.
+
+    A request's `normalize` (else the params') decides the last L2 normalization: the folder's last Normalize, or
+    for a pooled sequence the pooling's `normalize_embeddings` (its Normalize before the pooling always runs: the
+    clustering reads unit vectors, as the folder's pipeline gives them).
 
     `similarity_fn_name` ('maxsim' or 'meanmaxsim', from the folder) and `vector_size` are plain data for scoring."""
 
@@ -192,9 +203,21 @@ class MultiVectorPooler(Component):
         cfg = read_multi_vector_config(ctx.source)
         device = ctx.model.device
         stages = [StModule(s.kind, s.path, s.config) for s in cfg.stages]
-        head, self.vector_size, normalize_last = after_pooling(stages, ctx.model.hidden_size)
+        width = ctx.model.hidden_size
+        projection = None if cfg.projection is None else self._projection(ctx, cfg.projection, width)
+        if projection is not None:
+            width = projection.out_features
+        head, self.vector_size, normalize_last = after_pooling(stages, width)
+        if projection is not None:
+            head = projection if head is None else torch.nn.Sequential(projection, head)
         self.head = None if head is None else head.to(device)
         self.normalize = normalize_last if params.normalize == "auto" else params.normalize
+        self.token_pooling = cfg.token_pooling
+        self.normalize_before_pooling = normalize_last
+        """A pooled sequence's vectors are normalized before pooling when the folder's last Normalize precedes it."""
+        self.normalize_pooled = self.normalize
+        if self.token_pooling is not None and params.normalize == "auto":
+            self.normalize_pooled = self.token_pooling.normalize_embeddings
         self.similarity_fn_name: Literal["maxsim", "meanmaxsim"] = cfg.similarity_fn_name  # type: ignore[assignment]
         self.skip_tasks = frozenset(cfg.skiplist_tasks)
         ids = self._skiplist_ids(ctx, cfg.skiplist_words)
@@ -204,6 +227,25 @@ class MultiVectorPooler(Component):
         if cfg.expansion is not None and not cfg.expansion.attend and not ctx.attention.supports_key_mask:
             raise ModelLoadError(f"attention backend {ctx.attention.name!r} cannot mask keys, which this model's query"
                                  " expansion needs (attend: false); use attention auto, torch_sdpa or cpu_varlen")
+
+    @staticmethod
+    def _projection(ctx: BuildContext, projection: Any, width: int) -> torch.nn.Linear:
+        """The checkpoint's inline projection (Stanford's `linear.weight`) as a bias-free float32 Linear."""
+        found = [t for _, t in ctx.source.iter_weights(lambda n: n == projection.tensor)]
+        if not found:
+            raise ModelLoadError(f"{ctx.source.path}: the checkpoint has no {projection.tensor!r}, the per-token"
+                                 " projection a Stanford ColBERT folder holds beside the encoder's weights")
+        weight = found[0]
+        if weight.ndim != 2 or weight.shape[1] != width:
+            raise ModelLoadError(f"{ctx.source.path}: {projection.tensor} has shape {tuple(weight.shape)}; it must"
+                                 f" be [dim, {width}] for the encoder's {width} features")
+        if projection.dim is not None and weight.shape[0] != projection.dim:
+            raise ModelLoadError(f"{projection.where}: dim {projection.dim} does not match {projection.tensor}'s"
+                                 f" {weight.shape[0]} rows")
+        linear = torch.nn.Linear(width, weight.shape[0], bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(weight.float())
+        return linear.float().eval()
 
     @staticmethod
     def _skiplist_ids(ctx: BuildContext, words: Sequence[str]) -> list[int]:
@@ -250,10 +292,15 @@ class MultiVectorPooler(Component):
         x = (hidden if keep is None else hidden[keep]).float()
         if self.head is not None:
             x = self.head(x)
-        norms = [self.normalize if p.normalize is None else p.normalize for p in batch.pooling_params]
         counts = torch.tensor(batch.seq_lens, device=x.device)
         if keep is not None:
             counts = torch.zeros_like(counts).index_add_(0, segment_ids(batch), keep.long())
+        pooled = [self.token_pooling is not None and task_of(p) in self.token_pooling.tasks
+                  for p in batch.pooling_params]
+        if any(pooled):
+            x, counts = self._pool(x, counts, pooled)
+        norms = [(self.normalize_pooled if pool else self.normalize) if p.normalize is None else p.normalize
+                 for p, pool in zip(batch.pooling_params, pooled)]
         if all(norms):
             x = l2_normalize(x)
         elif any(norms):
@@ -261,6 +308,13 @@ class MultiVectorPooler(Component):
             x = torch.where(per_token, l2_normalize(x), x)
         bounds = [0, *torch.cumsum(counts, 0).tolist()]
         return Pooled(ragged={OUTPUT: (x, bounds)})
+
+    def _pool(self, x: torch.Tensor, counts: torch.Tensor, pooled: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pooled sequences' vectors normalized (when the folder's Normalize precedes the pooling) and merged."""
+        if self.normalize_before_pooling:
+            per_token = torch.tensor(pooled, device=x.device).repeat_interleave(counts)[:, None]
+            x = torch.where(per_token, l2_normalize(x), x)
+        return pool_tokens(x, counts, pooled, self.token_pooling)  # type: ignore[arg-type]
 
 
 def maxsim(query: torch.Tensor, documents: Sequence[torch.Tensor],

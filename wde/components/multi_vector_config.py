@@ -5,10 +5,11 @@ components read `read_multi_vector_config`.
 sentence-transformers saves such a model as a Transformer (whose `sentence_bert_config.json` holds `query_length`,
 `document_length` and `query_expansion`), per-token Dense modules, a `MultiVectorMask` (which tokens are scored:
 skiplist words, `keep_only_token_ids`) and a per-token Normalize; `config_sentence_transformers.json` holds the
-`query` / `document` prompts and `similarity_fn_name`. WDE serves exactly that, and PyLate v3 (1.x) ColBERT folders
-as sentence-transformers 6.2 reads them (`_read_pylate`). A module, a setting or a layout it does not implement
-(token pooling, a Normalize on sentence embeddings, Stanford ColBERT's `artifact.metadata`, ...) is refused by name
-when the model is loaded, never skipped: each would change the vectors.
+`query` / `document` prompts and `similarity_fn_name`; a last `HierarchicalTokenPooling` merges a document's
+vectors (wde/components/token_pooling.py). WDE serves exactly that, PyLate v3 (1.x) ColBERT folders and Stanford-NLP
+ColBERT folders (`HF_ColBERT`, wde/components/stanford_colbert.py) as sentence-transformers 6.2 reads them. A module,
+a setting or a layout it does not implement (a Normalize on sentence embeddings, a token pooling other than the
+hierarchical one, ...) is refused by name when the model is loaded, never skipped: each would change the vectors.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ TASKS: tuple[str, ...] = ("document", "query")
 """The values of the per-request option `task` (the default first), as every multi-vector component declares them."""
 SIMILARITIES = ("maxsim", "meanmaxsim")
 TOKENS = "token_embeddings"
-_MODULES = ("Transformer", "Dense", "Normalize", "MultiVectorMask")
+_MODULES = ("Transformer", "Dense", "Normalize", "MultiVectorMask", "HierarchicalTokenPooling")
 _ST_KEYS = {"model_type", "__version__", "prompts", "default_prompt_name", "similarity_fn_name"}
 _TRANSFORMER_KEYS = {"transformer_task", "modality_config", "module_output_name", "processing_kwargs", "unpad_inputs",
                      "query_length", "document_length", "query_expansion", "max_seq_length", "do_lower_case"}
@@ -35,6 +36,7 @@ _TRANSFORMER_KEYS = {"transformer_task", "modality_config", "module_output_name"
 attention, not the vectors; `do_lower_case` is refused by `st_modules.transformer_config`'s rule, below."""
 _MASK_KEYS = {"skiplist_words", "skiplist_tasks", "keep_only_token_ids"}
 _EXPANSION_KEYS = {"strategy", "attend", "token", "length"}
+_POOLING_KEYS = {"pool_factor", "num_protected_tokens", "normalize_embeddings", "tasks"}
 PYLATE = "ColBERT"
 """`model_type` of a PyLate v3 folder's config_sentence_transformers.json."""
 _PYLATE_KEYS = {"query_prefix", "document_prefix", "query_length", "document_length", "do_query_expansion",
@@ -57,6 +59,31 @@ class QueryExpansion:
     length: int
     attend: bool = False
     token: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenPooling:
+    """sentence-transformers' `HierarchicalTokenPooling`: for the tasks in `tasks`, the vectors after the first
+    `num_protected_tokens` are clustered (Ward linkage on cosine distance) into `count // pool_factor` groups (at
+    least one), each replaced by its mean; with `normalize_embeddings` every output vector is L2-normalized
+    (also when nothing merges). `pool_factor` 1 merges nothing."""
+
+    pool_factor: float = 1.0
+    num_protected_tokens: int = 1
+    normalize_embeddings: bool = False
+    """sentence-transformers' default for a saved config without the key (a new module's default is true)."""
+    tasks: tuple[str, ...] = ("document",)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A per-token linear projection (no bias) held in the model's own checkpoint as the tensor `tensor` (Stanford
+    ColBERT's `linear.weight`, [dim, hidden]), applied before the stages; `dim` is the width the folder declares
+    (checked against the tensor), `where` the file that declares it."""
+
+    tensor: str
+    dim: int | None
+    where: Path
 
 
 @dataclass(frozen=True)
@@ -86,8 +113,12 @@ class MultiVectorConfig:
     """For a PyLate folder, its prompts with `query_prefix` / `document_prefix` put in front (None: the folder's
     `prompts`, as text_input reads them)."""
     prefix_tokens: tuple[str, ...] = ()
-    """PyLate's `query_prefix` / `document_prefix`: registered on the tokenizer as one piece where it knows them
-    (`register_prefix_tokens`), as sentence-transformers does."""
+    """PyLate's `query_prefix` / `document_prefix`, Stanford ColBERT's markers: registered on the tokenizer as one
+    piece where it knows them (`register_prefix_tokens`), as sentence-transformers does."""
+    projection: Projection | None = None
+    """Stanford ColBERT's inline projection, before the stages (None: the stages hold every projection)."""
+    token_pooling: TokenPooling | None = None
+    """The folder's last module, a HierarchicalTokenPooling (None: every scored token keeps its vector)."""
 
 
 def _class(module: dict) -> str:
@@ -97,8 +128,12 @@ def _class(module: dict) -> str:
 def is_multi_vector_folder(source: "ModelSource") -> bool:
     """Whether the folder is a sentence-transformers MultiVectorEncoder: its config_sentence_transformers.json says
     `model_type: MultiVectorEncoder` (or PyLate v3's `model_type: ColBERT`), or its modules.json has a
-    MultiVectorMask. Never raises for a folder that is
+    MultiVectorMask, or it is a Stanford ColBERT folder (`is_stanford_folder`). Never raises for a folder that is
     merely something else (an unreadable file is left for the workflow's components to report)."""
+    from wde.components.stanford_colbert import is_stanford_folder
+
+    if is_stanford_folder(source):
+        return True
     try:
         st = source.read_json("config_sentence_transformers.json")
         modules = source.read_json("modules.json")
@@ -109,7 +144,7 @@ def is_multi_vector_folder(source: "ModelSource") -> bool:
     return isinstance(modules, list) and any(isinstance(m, dict) and _class(m) == "MultiVectorMask" for m in modules)
 
 
-def _positive(value: Any, what: str, where: Path) -> int:
+def positive(value: Any, what: str, where: Path) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ModelLoadError(f"{where}: {what} must be a positive integer, got {value!r}")
     return value
@@ -118,25 +153,31 @@ def _positive(value: Any, what: str, where: Path) -> int:
 def read_multi_vector_config(source: "ModelSource") -> MultiVectorConfig:
     """The folder's multi-vector settings; a `ModelLoadError` naming the file and the module or setting for
     anything WDE does not implement."""
+    from wde.components.stanford_colbert import is_stanford_folder, read_stanford
+
+    if is_stanford_folder(source):
+        return read_stanford(source)
     st = source.read_json("config_sentence_transformers.json") or {}
     st_where = source.path / "config_sentence_transformers.json"
     if isinstance(st, dict) and st.get("model_type") == PYLATE:
         return _read_pylate(source, st)
     if not isinstance(st, dict) or st.get("model_type") != "MultiVectorEncoder":
         raise ModelLoadError(f"{st_where}: the multi_vector workflow serves sentence-transformers MultiVectorEncoder"
-                             f" folders (model_type 'MultiVectorEncoder') and PyLate v3 ColBERT folders (model_type"
-                             f" 'ColBERT'); this one says {st.get('model_type') if isinstance(st, dict) else st!r}")
+                             f" folders (model_type 'MultiVectorEncoder'), PyLate v3 ColBERT folders (model_type"
+                             f" 'ColBERT') and Stanford ColBERT folders (config.json: HF_ColBERT, no modules.json);"
+                             f" this one says {st.get('model_type') if isinstance(st, dict) else st!r}")
     unknown = sorted(set(st) - _ST_KEYS)
     if unknown:
         raise ModelLoadError(f"{st_where}: settings {unknown} are not implemented by WDE (PyLate's top-level keys are"
-                             " read only with model_type 'ColBERT'; Stanford ColBERT's layout is not served yet)")
+                             " read only with model_type 'ColBERT')")
     similarity = st.get("similarity_fn_name") or "maxsim"
     if similarity not in SIMILARITIES:
         raise ModelLoadError(f"{st_where}: similarity_fn_name {similarity!r} is not implemented by WDE (it implements"
                              f" {', '.join(SIMILARITIES)})")
-    stages, mask = _read_modules(source)
-    query_length, document_length, expansion = _read_transformer(source)
-    return MultiVectorConfig(stages, query_length, document_length, expansion, *mask, similarity_fn_name=similarity)
+    stages, mask, pooling = _read_modules(source)
+    query_length, document_length, expansion = read_transformer(source)
+    return MultiVectorConfig(stages, query_length, document_length, expansion, *mask, similarity_fn_name=similarity,
+                             token_pooling=pooling)
 
 
 def _read_pylate(source: "ModelSource", st: dict) -> MultiVectorConfig:
@@ -191,7 +232,7 @@ def _read_pylate(source: "ModelSource", st: dict) -> MultiVectorConfig:
         folder, cfg = _module_config(source, m)
         stages.append(_token_stage("Dense", folder, {"module_input_name": TOKENS, **cfg}))
     stages.append(Stage("Normalize", source.path, {"module_input_name": TOKENS}))
-    query_length, document_length, expansion = _read_transformer(source, knobs)
+    query_length, document_length, expansion = read_transformer(source, knobs)
     return MultiVectorConfig(tuple(stages), query_length, document_length, expansion, tuple(words), ("document",),
                              None, similarity_fn_name=similarity, prompts=prompts, prefix_tokens=tuple(prefixes))
 
@@ -252,13 +293,22 @@ def _token_stage(kind: str, folder: Path, cfg: dict) -> Stage:
     return Stage(kind, folder, cfg)
 
 
-def _read_modules(source: "ModelSource") -> tuple[tuple[Stage, ...], tuple]:
+def _read_modules(source: "ModelSource") -> tuple[tuple[Stage, ...], tuple, TokenPooling | None]:
     ordered, kinds, where = _ordered_modules(source, "MultiVectorEncoder")
     for m, kind in zip(ordered, kinds):
         if not str(m.get("type", "")).startswith("sentence_transformers.") or kind not in _MODULES:
-            hint = " (token pooling merges vectors; WDE does not implement it yet)" if "TokenPooling" in kind else ""
+            hint = (" (of token poolings, WDE implements HierarchicalTokenPooling)" if "TokenPooling" in kind
+                    else "")
             raise ModelLoadError(f"{where}: module {m.get('type')!r} is not implemented by WDE for multi-vector models"
                                  f" (it implements {', '.join(_MODULES)}){hint}")
+    pooling = None
+    if "HierarchicalTokenPooling" in kinds:
+        if kinds.count("HierarchicalTokenPooling") != 1 or kinds[-1] != "HierarchicalTokenPooling":
+            raise ModelLoadError(f"{where}: WDE runs a HierarchicalTokenPooling as the last module only, once (as"
+                                 f" sentence-transformers' docs place it); this pipeline is {kinds}")
+        folder, cfg = _module_config(source, ordered[-1])
+        pooling = _read_pooling(cfg, folder / "config.json")
+        ordered, kinds = ordered[:-1], kinds[:-1]
     if kinds[0] != "Transformer" or kinds.count("Transformer") != 1 or ordered[0].get("path"):
         raise ModelLoadError(f"{where}: WDE runs a Transformer in the folder itself followed by per-token modules;"
                              f" this pipeline is {kinds}")
@@ -273,7 +323,30 @@ def _read_modules(source: "ModelSource") -> tuple[tuple[Stage, ...], tuple]:
             mask = _read_mask(cfg, folder / "config.json")
             continue
         stages.append(_token_stage(kind, folder, cfg))
-    return tuple(stages), mask
+    return tuple(stages), mask, pooling
+
+
+def _read_pooling(cfg: dict, where: Path) -> TokenPooling:
+    """A HierarchicalTokenPooling's config, checked as its constructor checks it."""
+    unknown = sorted(set(cfg) - _POOLING_KEYS)
+    if unknown:
+        raise ModelLoadError(f"{where}: HierarchicalTokenPooling settings {unknown} are not implemented by WDE (it"
+                             f" reads {', '.join(sorted(_POOLING_KEYS))})")
+    factor = cfg.get("pool_factor", 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+        raise ModelLoadError(f"{where}: pool_factor must be a number >= 1, got {factor!r}")
+    protected = cfg.get("num_protected_tokens", 1)
+    if isinstance(protected, bool) or not isinstance(protected, int) or protected < 0:
+        raise ModelLoadError(f"{where}: num_protected_tokens must be an integer >= 0, got {protected!r}")
+    normalize = cfg.get("normalize_embeddings", False)
+    if not isinstance(normalize, bool):
+        raise ModelLoadError(f"{where}: normalize_embeddings must be true or false, got {normalize!r}")
+    tasks = cfg.get("tasks")
+    tasks = ["document"] if tasks is None else [tasks] if isinstance(tasks, str) else tasks
+    if not isinstance(tasks, list) or not all(t in TASKS for t in tasks):
+        raise ModelLoadError(f"{where}: tasks {tasks!r} are not implemented by WDE (its tasks are"
+                             f" {', '.join(TASKS)})")
+    return TokenPooling(float(factor), protected, normalize, tuple(tasks))
 
 
 def _read_mask(cfg: dict, where: Path) -> tuple:
@@ -295,10 +368,12 @@ def _read_mask(cfg: dict, where: Path) -> tuple:
     return tuple(words), tuple(tasks), tuple(keep) if keep else None
 
 
-def _read_transformer(source: "ModelSource", defaults: dict[str, Any] | None = None
-                      ) -> tuple[int | None, int | None, QueryExpansion | None]:
-    """The Transformer's settings; `defaults` (a PyLate folder's, translated) under what the file says."""
-    cfg = {**(defaults or {}), **(source.read_json("sentence_bert_config.json") or {})}
+def read_transformer(source: "ModelSource", defaults: dict[str, Any] | None = None, from_file: bool = True
+                     ) -> tuple[int | None, int | None, QueryExpansion | None]:
+    """The Transformer's settings; `defaults` (a PyLate or Stanford folder's, translated) under what
+    sentence_bert_config.json says (unless not `from_file`)."""
+    saved = source.read_json("sentence_bert_config.json") if from_file else None
+    cfg = {**(defaults or {}), **(saved or {})}
     where = source.path / "sentence_bert_config.json"
     unknown = sorted(set(cfg) - _TRANSFORMER_KEYS)
     if unknown:
@@ -322,9 +397,9 @@ def _read_transformer(source: "ModelSource", defaults: dict[str, Any] | None = N
     query_length = cfg.get("query_length")
     document_length = cfg.get("document_length")
     if query_length is not None:
-        _positive(query_length, "query_length", where)
+        positive(query_length, "query_length", where)
     if document_length is not None:
-        _positive(document_length, "document_length", where)
+        positive(document_length, "document_length", where)
     raw = cfg.get("query_expansion")
     if raw is None:
         return query_length, document_length, None
@@ -337,7 +412,7 @@ def _read_transformer(source: "ModelSource", defaults: dict[str, Any] | None = N
     if not isinstance(attend, bool) or not (token is None or isinstance(token, str)):
         raise ModelLoadError(f"{where}: query_expansion attend must be true or false and token a string or null,"
                              f" got {attend!r} and {token!r}")
-    length = _positive(raw.get("length"), "query_expansion length", where)
+    length = positive(raw.get("length"), "query_expansion length", where)
     if query_length is not None and query_length < length:
         raise ModelLoadError(f"{where}: query_length {query_length} is smaller than query_expansion length {length}")
     return query_length, document_length, QueryExpansion(strategy, length, attend, token)

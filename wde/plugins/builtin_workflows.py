@@ -120,6 +120,31 @@ class MultiVectorIfMultiVectorEncoder:
         return self.dense
 
 
+@dataclass(frozen=True)
+class MultiVectorByBackbone:
+    """Picks the late-interaction workflow of a Stanford-NLP ColBERT folder (config.json: `HF_ColBERT`, which every
+    backbone's checkpoint declares) by its backbone's `model_type`; any other backbone is an error naming those
+    served."""
+
+    architecture: str
+    workflows: tuple[tuple[str, str], ...]
+    """(model_type, workflow) pairs."""
+
+    def __call__(self, source: "ModelSource") -> str:
+        config = source.read_json("config.json") or {}
+        model_type = config.get("model_type") if isinstance(config, dict) else None
+        for served, workflow in self.workflows:
+            if model_type == served:
+                return workflow
+        raise RegistryError(
+            f"{source.path} declares {self.architecture} (a Stanford ColBERT checkpoint) on model_type {model_type!r};"
+            f" WDE serves it on {', '.join(t for t, _ in self.workflows)} (workflows"
+            f" {', '.join(sorted({w for _, w in self.workflows}))}). Pass --workflow to pick one anyway")
+
+    def __str__(self) -> str:
+        return "|".join(sorted({w for _, w in self.workflows})) + " (by the backbone's model_type)"
+
+
 FOLDER_ARCHITECTURES = (
     EmbedderIfSentenceTransformers("Qwen3ForCausalLM", "qwen3_embedding", ("qwen3_reranker",),
                                    "a Qwen3-Reranker checkpoint"),
@@ -128,6 +153,9 @@ FOLDER_ARCHITECTURES = (
     MultiVectorIfMultiVectorEncoder("XLMRobertaModel", "xlm_roberta", "multi_vector_xlm_roberta"),
     MultiVectorIfMultiVectorEncoder("RobertaModel", "xlm_roberta", "multi_vector_xlm_roberta"),
     MultiVectorIfMultiVectorEncoder("ModernBertModel", "modernbert", "multi_vector_modernbert"),
+    MultiVectorByBackbone("HF_ColBERT", (("bert", "multi_vector"), ("xlm-roberta", "multi_vector_xlm_roberta"),
+                                         ("roberta", "multi_vector_xlm_roberta"),
+                                         ("modernbert", "multi_vector_modernbert"))),
 )
 """Architectures whose workflow depends on the model folder's files."""
 

@@ -1,6 +1,7 @@
 """Hook implementations: the plugin's three components (registered lazily: listing plugins imports no torch) and
 its `stanford_colbert` workflow, which serves folders whose config.json names `HF_ColBERT` (as
-colbert-ir/colbertv2.0's does)."""
+colbert-ir/colbertv2.0's does) when named: `--workflow stanford_colbert`. WDE itself maps `HF_ColBERT` to its
+built-in `multi_vector` workflows, so the plugin registers no architecture."""
 
 from __future__ import annotations
 
@@ -25,8 +26,3 @@ def register_components(register: Callable[[LazyComponent], None]) -> None:
 def register_workflows(register: Callable[[Path], None]) -> None:
     for path in sorted(WORKFLOWS_DIR.glob("*.yaml")):
         register(path)
-
-
-@hookimpl
-def register_architectures(register: Callable[[str, str], None]) -> None:
-    register("HF_ColBERT", "stanford_colbert")
