@@ -79,13 +79,14 @@ def test_pooling_in_vllms_shape(embedder: str, st_model) -> None:
     ({"input": "x", "task": "token_classify"}, 424, "task"),
     ({"input": "x", "task": "generate"}, 422, "task"),
     ({"input": "x", "encoding_format": "bytes"}, 422, "encoding_format"),
-    ({"input": "x", "encoding_format": "base64", "embed_dtype": "float16"}, 422, "embed_dtype"),
-    ({"input": "x", "encoding_format": "base64", "endianness": "big"}, 422, "endianness"),
+    ({"input": "x", "encoding_format": "base64", "embed_dtype": "fp8_e4m3"}, 422, "embed_dtype"),
+    ({"input": "x", "embed_dtype": "float16"}, 422, "embed_dtype"),  # JSON numbers have no element type
+    ({"input": "x", "encoding_format": "base64", "endianness": "middle"}, 422, "endianness"),
     ({"input": "x", "normalize": True, "use_activation": False}, 422, "use_activation"),
     ({"input": "x", "truncation_side": "left", "truncation_direction": "right"}, 422, "truncation_side"),
 ])
 def test_pooling_refuses_what_it_does_not_serve(embedder: str, body: dict, status: int, field: str) -> None:
-    """Named, never dropped: a float16 or big-endian base64 answer read as float32 would be silently wrong."""
+    """Named, never dropped: an fp8 answer read as another type would be silently wrong."""
     r = httpx.post(f"{embedder}/pooling", json=body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == field

@@ -1,7 +1,9 @@
 """Cohere v2 /v2/embed: embeddings by type (float, int8, uint8, binary, ubinary, base64), `input_type` mapped
 to the workflow's prompts; texts (`texts`, text content) and, for an image-text model, images (`images`, image_url
 content). Cohere v1 /v1/embed (`cohere.Client.embed`, langchain-cohere's `CohereEmbeddings`) is the same
-embedding in v1's body and answer. /v2/rerank lives with the other rerank routes (rerank_routes.py)."""
+embedding in v1's body and answer. A late-interaction model answers both with each input's token matrix
+(`input_type` search_query / search_document → its `task` option query / document). /v2/rerank lives with the
+other rerank routes (rerank_routes.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from wde.server.errors import ApiError
 from wde.server.image_inputs import check_one_part, image_inputs, require_images, text_input
 from wde.server.protocol import (Body, CohereEmbeddingType, CohereEmbedRequest, CohereImage, body_schema, parse,
                                  read_json)
-from wde.server.quantize import quantize_rows, to_base64
-from wde.server.responses import JSONResponse
+from wde.server.quantize import quantize_rows
+from wde.server.responses import JSONResponse, encode_array
 from wde.server.service import Service
 
 router = APIRouter()
@@ -124,34 +126,89 @@ async def _resolve(request: Request, svc: Service, out: _Inputs) -> None:
     out.items = [next(resolved) if item is None else item for item in out.items]
 
 
+MULTI_VECTOR = "colbert"
+"""The output a late-interaction model embeds with: one vector per scored token (a matrix per input)."""
+
+MULTI_VECTOR_TASKS = {"search_query": "query", "search_document": "document"}
+"""Cohere's input types → a late-interaction model's `task` option. classification and clustering have no side of
+late interaction and are refused by name (a ColBERT model is trained to score queries against documents)."""
+
+
+def multi_vector(svc: Service) -> bool:
+    """Whether /v1/embed and /v2/embed answer with token matrices: a late-interaction model, which has no single
+    vector (bge-m3, which has both, keeps its dense vectors here)."""
+    return "dense" not in svc.supported and MULTI_VECTOR in svc.supported
+
+
+def multi_vector_options(svc: Service, body: CohereEmbedRequest) -> dict[str, str] | None:
+    """The `task` option of Cohere's `input_type` for a late-interaction model (left out or "image": the model's
+    default side, documents); refused by name where it names no side, or where the model takes no task option."""
+    if body.input_type is None or body.input_type == "image":
+        return None
+    if body.input_type not in MULTI_VECTOR_TASKS:
+        raise ApiError("validation", f"input_type {body.input_type!r}: a late-interaction model embeds queries"
+                       " (search_query) and documents (search_document), and has no other kind of input",
+                       "input_type")
+    return svc.options(None, MULTI_VECTOR_TASKS[body.input_type], "input_type")
+
+
 async def _embed(request: Request, svc: Service, body: CohereEmbedRequest, route: str) -> tuple[_Inputs, Any]:
-    """Embed what a Cohere body asks for (v1's body comes here as a v2 one): the inputs and the engine's result."""
+    """Embed what a Cohere body asks for (v1's body comes here as a v2 one): the inputs and the engine's result,
+    whose outputs hold 'dense' vectors, or for a late-interaction model 'colbert' token matrices."""
     svc.check_model(body.model)
-    svc.require("dense", route)
+    multi = multi_vector(svc)
+    if not multi:
+        svc.require("dense", route)
+    elif body.output_dimension is not None:
+        raise ApiError("validation", "output_dimension: a late-interaction model's token vectors have the model's"
+                       " width and cannot be shortened; leave it out", "output_dimension")
     inputs = _inputs(svc, body)
     if not inputs.items:
         raise ApiError("empty", f"{inputs.field} is empty: send at least one input", inputs.field)
     svc.check_token_cap(body.max_tokens, "max_tokens")
-    prompts = svc.prompts
-    params = PoolingParams(**cohere_long_inputs(svc, body.truncate),
-                           prompt_name=prompt_name(body.input_type, prompts), dimensions=body.output_dimension,
-                           outputs=("dense",))
+    if multi:
+        params = PoolingParams(**cohere_long_inputs(svc, body.truncate), options=multi_vector_options(svc, body),
+                               outputs=(MULTI_VECTOR,))
+    else:
+        params = PoolingParams(**cohere_long_inputs(svc, body.truncate),
+                               prompt_name=prompt_name(body.input_type, svc.prompts), dimensions=body.output_dimension,
+                               outputs=("dense",))
     await _resolve(request, svc, inputs)
     return inputs, await svc.run(request, inputs.items, params, inputs.field, inputs.names, images=True)
 
 
+def _embeddings(result: Any) -> list[np.ndarray]:
+    """Each input's float32 embedding, as `_embed` asked for it: its 'dense' vector, or a late-interaction model's
+    'colbert' token matrix."""
+    return [np.asarray(o.outputs["dense" if "dense" in o.outputs else MULTI_VECTOR], dtype=np.float32)
+            for o in result.outputs]
+
+
 def _by_type(svc: Service, floats: list[np.ndarray], types: list[str]) -> dict[str, list]:
-    """`embeddings` of an `embeddings_by_type` answer: each asked type once, in the order asked."""
+    """`embeddings` of an `embeddings_by_type` answer: each asked type once, in the order asked. Token matrices
+    (a late-interaction model's) come as float (a list of rows per input) and base64 (`encode_array`: row-major
+    little-endian float32, an input's rows one after the other); their quantized types are refused by name."""
     embeddings: dict[str, list] = {}
+    matrices = any(v.ndim == 2 for v in floats)
     for kind in dict.fromkeys(types):
         if kind == "float":
             embeddings[kind] = floats
         elif kind == "base64":
-            embeddings[kind] = [to_base64(v) for v in floats]
+            embeddings[kind] = [encode_array(v, "base64", endianness="little") for v in floats]
+        elif matrices:
+            raise ApiError("validation", f"embedding_types {kind!r}: a late-interaction model's token vectors are"
+                           " served as float and base64 (float32); int8, uint8, binary and ubinary are not",
+                           "embedding_types")
         else:
             embeddings[kind] = quantize_rows(floats, kind, svc.config.quantization_ranges,  # type: ignore[arg-type]
                                              "embedding_types")
     return embeddings
+
+
+def _shapes(floats: list[np.ndarray]) -> dict[str, list]:
+    """A WDE extension on a late-interaction model's answer: each input's token matrix shape [rows, dim], which
+    its base64 bytes do not carry. Nothing for vectors."""
+    return {"shapes": [list(v.shape) for v in floats]} if any(v.ndim == 2 for v in floats) else {}
 
 
 def _billed(inputs: _Inputs, tokens: int) -> dict[str, int]:
@@ -167,11 +224,11 @@ async def embed(request: Request) -> JSONResponse:
     svc: Service = request.app.state.service
     body = parse(CohereEmbedRequest, await read_json(request))
     inputs, result = await _embed(request, svc, body, "/v2/embed")
-    floats = [np.asarray(v, dtype=np.float32) for v in result.dense]
+    floats = _embeddings(result)
     tokens = result.prompt_tokens
     return JSONResponse({"id": f"embed-{uuid.uuid4().hex}", "response_type": "embeddings_by_type",
                          "embeddings": _by_type(svc, floats, body.embedding_types or ["float"]),
-                         "texts": inputs.texts,
+                         **_shapes(floats), "texts": inputs.texts,
                          "meta": {"api_version": {"version": "2"}, "billed_units": _billed(inputs, tokens),
                                   "tokens": {"input_tokens": tokens}}}, headers=result.headers)
 
@@ -208,8 +265,8 @@ async def embed_v1(request: Request) -> JSONResponse:
                            f" send it to /v2/embed (cohere.ClientV2)", name)
     v1 = parse(CohereV1EmbedRequest, raw)
     inputs, result = await _embed(request, svc, CohereEmbedRequest(**v1.model_dump(exclude_none=True)), "/v1/embed")
-    floats = [np.asarray(v, dtype=np.float32) for v in result.dense]
-    answer: dict[str, Any] = {"id": f"embed-{uuid.uuid4().hex}", "texts": inputs.texts,
+    floats = _embeddings(result)
+    answer: dict[str, Any] = {"id": f"embed-{uuid.uuid4().hex}", "texts": inputs.texts, **_shapes(floats),
                               "meta": {"api_version": {"version": "1"},
                                        "billed_units": _billed(inputs, result.prompt_tokens)}}
     if v1.embedding_types is None:

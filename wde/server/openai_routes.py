@@ -22,7 +22,7 @@ from wde.server.late_chunking import LateChunkingRequest, asked, late_chunks
 from wde.server.protocol import (ChatEmbeddingRequest, EmbeddingOptions, EmbeddingRequest, PoolingRequest, body_schema,
                                  embed_items, item_names, parse, read_json)
 from wde.server.quantize import quantize_rows, to_base64
-from wde.server.responses import JSONResponse
+from wde.server.responses import JSONResponse, encode_array
 from wde.server.service import Result, Service, to_json
 from wde.server.truncation import truncation
 
@@ -121,6 +121,10 @@ async def pooling(request: Request) -> JSONResponse:
     if body.encoding_format == "base64" and main == "sparse":
         raise ApiError("validation", "encoding_format 'base64' encodes arrays, and this model's output is sparse"
                        " {token_id: weight}; use 'float'", "encoding_format")
+    if body.encoding_format == "float" and body.embed_dtype != "float32":
+        raise ApiError("validation", f"embed_dtype {body.embed_dtype!r} is the element type of base64 outputs; with"
+                       " encoding_format 'float' they are JSON numbers (float32): send encoding_format 'base64'",
+                       "embed_dtype")
     if body.use_activation is not None and body.normalize is not None:
         raise ApiError("validation", "normalize and use_activation are both given; send one (vLLM's name is"
                        " use_activation)", "use_activation")
@@ -138,8 +142,13 @@ async def pooling(request: Request) -> JSONResponse:
         value = o.outputs[main]
         if main in ("score", "probs"):  # vLLM's classify output: one list of floats per input
             value = np.asarray(value, dtype=np.float32).reshape(-1)
-        item = {"index": i, "object": "pooling",
-                "data": encode_vector(value, body.encoding_format) if main != "sparse" else to_json(value)}
+        item: dict[str, Any] = {"index": i, "object": "pooling"}
+        if main == "sparse":
+            item["data"] = to_json(value)
+        else:
+            item["data"] = encode_array(value, body.encoding_format, body.embed_dtype, body.endianness)
+            if body.encoding_format == "base64":  # the bytes carry no shape: a token matrix's rows vary
+                item["shape"] = list(np.shape(value))
         item.update({k: to_json(o.outputs[k]) for k in extras})
         data.append(item)
     usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}

@@ -130,10 +130,13 @@ class PoolingRequest(PromptTruncation, RequestOptions):
     """Whether the inputs are queries or documents, for a model whose workflow takes the `task` option (late
     interaction: `options.task`); refused by name where it takes none."""
     encoding_format: Literal["float", "base64"] = "float"
-    embed_dtype: Literal["float32"] = "float32"
-    """vLLM's dtype of base64 vectors: float32 is what is served; float16/bfloat16/fp8 are refused by name."""
-    endianness: Literal["native", "little"] = "native"
-    """vLLM's byte order of base64 vectors: the server's own (little-endian on x86 and ARM); big is refused."""
+    """base64: each output's bytes (`wde.server.responses.encode_array`: row-major, `embed_dtype`, `endianness`)
+    with its `shape` beside them; vLLM's `bytes` (a binary body) is refused by name."""
+    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    """vLLM's element type of base64 outputs; fp8 is refused by name, and so is anything but float32 with
+    `encoding_format: float` (JSON numbers: vLLM ignores it there)."""
+    endianness: Literal["native", "little", "big"] = "native"
+    """vLLM's byte order of base64 outputs: `native` is the server's own (little-endian on x86 and ARM)."""
     use_activation: bool | None = None
     """vLLM's: false gives the embedding unnormalized, or a classifier's / cross-encoder's logits."""
     outputs: list[str] | None = None
