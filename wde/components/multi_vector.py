@@ -1,6 +1,7 @@
-"""Late interaction (ColBERT-style multi-vector models): sentence-transformers 6 `MultiVectorEncoder` folders (and PyLate
-v3 and Stanford ColBERT folders, read as it reads them), one vector per scored token, with a query and a document side picked per request by the option `task` (`document`, the
-default, or `query`), as `encode_document` / `encode_query` do.
+"""Late interaction (ColBERT-style multi-vector models): sentence-transformers 6 `MultiVectorEncoder` folders (and
+PyLate v3 and Stanford ColBERT folders, read as it reads them), one vector per scored token, with a query and a
+document side picked per request by the option `task` (`document`, the default, or `query`), as `encode_document` /
+`encode_query` do.
 
 The `task` changes three stages, and each component that reads it declares it (`TASKS`):
 - the input processor prepends the folder's `query` prompt to a query and its `document` prompt to a document,
