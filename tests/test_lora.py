@@ -3,8 +3,8 @@
 
 BERT is the bundled all-MiniLM-L6-v2 with the recipe's adapters (query/key/value and every `dense`: the fused q|k|v
 projection and the intermediate layer whose GELU oneDNN fuses on AVX-512); the decoder is a tiny random Qwen3 with
-adapters on q/k/v/o and gate/up/down (fused q|k|v and gate|up), one of them rsLoRA, one with rank and alpha
-patterns. Both run on PyTorch's linear layers and, where oneDNN runs here, on prepacked ones.
+adapters on q/k/v/o and gate/up/down (fused q|k|v and gate|up), one of them rsLoRA and on the token embeddings
+too, one with rank and alpha patterns. Both run on PyTorch's linear layers and, where oneDNN runs here, on prepacked ones.
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ def qwen3_adapters(qwen3_path: str, tmp_path_factory: pytest.TempPathFactory) ->
     root = tmp_path_factory.mktemp("qwen3-adapters")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     return {
-        "rs": make_adapter(qwen3_path, root / "rs", 7, r=4, lora_alpha=16, use_rslora=True, target_modules=targets),
+        "rs": make_adapter(qwen3_path, root / "rs", 7, r=4, lora_alpha=16, use_rslora=True,
+                           target_modules=[*targets, "embed_tokens"]),  # PEFT's embedding LoRA too
         "patterned": make_adapter(qwen3_path, root / "p", 8, r=6, lora_alpha=4, target_modules=targets,
                                   rank_pattern={"o_proj": 2}, alpha_pattern={"down_proj": 12}),
     }

@@ -52,6 +52,9 @@ _HARMLESS = frozenset({
 })
 """adapter_config.json keys that do not change what a loaded adapter computes at inference (or that WDE computes
 exactly: `use_rslora`, `rank_pattern`, `alpha_pattern`); every other key must be unset (null, false, empty)."""
+_FACTORS = ((".lora_A.weight", "lora_A"), (".lora_B.weight", "lora_B"),
+            (".lora_embedding_A", "lora_A"), (".lora_embedding_B", "lora_B"))
+"""PEFT's tensor names for the factors of a linear layer and of an embedding (A [r, in or vocab], B [out, r])."""
 
 
 @dataclass(frozen=True)
@@ -112,11 +115,55 @@ class LoraLinear(nn.Module):
         return f"adapters={sorted(self.adapters)}"
 
 
-def wrap_linears(model: nn.Module) -> int:
-    """Wrap every `nn.Linear` / `CastLinear` under `model` in a `LoraLinear` (before packing); returns how many."""
+class LoraEmbedding(nn.Module):
+    """A token embedding (`base`) plus its adapters' deltas by slot: `adapters[slot] = (A^T [vocab, R], B [dim, R])`
+    with the scale in B; a token's delta is row `id` of A^T times B^T (PEFT's embedding LoRA)."""
+
+    def __init__(self, base: nn.Embedding) -> None:
+        super().__init__()
+        self.base = base
+        self.in_features, self.out_features = base.num_embeddings, base.embedding_dim
+        self.shards: dict[int | None, tuple[int, int]] = {None: (0, self.out_features)}
+        self.dtype, self.device = base.weight.dtype, base.weight.device
+        self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        y = self.base(ids)
+        groups = _GROUPS.get()
+        if groups is None or not self.adapters:
+            return y
+        for slot, index in groups.groups:
+            weights = self.adapters.get(slot)
+            if weights is None:
+                continue
+            a_t, b = weights
+            if index is None:
+                y = y + (nn.functional.embedding(ids, a_t) @ b.T).to(y.dtype)
+            else:
+                y = y.index_add(0, index, (nn.functional.embedding(ids.index_select(0, index), a_t) @ b.T).to(y.dtype))
+        return y
+
+
+def wrap_linears(model: nn.Module, embeddings: tuple[str, ...] = ()) -> int:
+    """Wrap every `nn.Linear` / `CastLinear` under `model` in a `LoraLinear` (before packing), and the `nn.Embedding`
+    modules named in `embeddings` in a `LoraEmbedding`; returns how many."""
     count = 0
+    for name in embeddings:
+        try:
+            child = model.get_submodule(name)
+        except AttributeError:  # a subclass without this embedding: nothing to wrap
+            continue
+        parent, _, attr = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        if isinstance(child, nn.Embedding):
+            setattr(owner, attr, LoraEmbedding(child))
+            count += 1
     for module in list(model.modules()):
-        if isinstance(module, LoraLinear):
+        if isinstance(module, (LoraLinear, LoraEmbedding)):
             continue
         for name, child in list(module.named_children()):
             if type(child) in (nn.Linear, CastLinear):
@@ -165,8 +212,10 @@ class LoraSet:
     def __init__(self, model: "PrefillModel", option: str = ADAPTER_OPTION, default: str = NO_ADAPTER,
                  max_adapters: int = 8) -> None:
         self.model = model
-        wrap_linears(model)
-        self.linears: dict[str, LoraLinear] = {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+        wrap_linears(model, model.lora_embedding_modules)
+        self.linears: dict[str, LoraLinear | LoraEmbedding] = {
+            n: m for n, m in model.named_modules() if isinstance(m, (LoraLinear, LoraEmbedding))}
+        """The layers that take adapters, by module name: every linear layer and the token embeddings."""
         self.table = AdapterTable(option, default, max_adapters)
         model.register_forward_pre_hook(_enter)
         model.register_forward_hook(_leave)
@@ -175,17 +224,19 @@ class LoraSet:
         return {self.table.option: self.table.values()}
 
     def add(self, name: str, deltas: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Load adapter `name`: module name (a `LoraLinear` of the model) → (A [R, in], B [out, R], scale in B)."""
+        """Load adapter `name`: module name (a `LoraLinear` or `LoraEmbedding` of the model) → (A [R, in], B [out, R]),
+        scale in B (for an embedding, `in` is the vocabulary)."""
         for module, (a, b) in deltas.items():
             linear = self.linears.get(module)
             if linear is None:
-                raise ModelLoadError(f"adapter {name!r}: the model has no linear layer {module!r}")
+                raise ModelLoadError(f"adapter {name!r}: the model has no layer {module!r} that takes adapters")
             if a.shape[1] != linear.in_features or b.shape != (linear.out_features, a.shape[0]):
                 raise ModelLoadError(f"adapter {name!r}: {module} takes A [R, {linear.in_features}] and B"
                                      f" [{linear.out_features}, R], got {tuple(a.shape)} and {tuple(b.shape)}")
         slot = self.table.add(name)
         for module, (a, b) in deltas.items():
             linear = self.linears[module]
+            a = a.T if isinstance(linear, LoraEmbedding) else a  # looked up by token id: [vocab, R]
             linear.adapters[slot] = (a.to(linear.device, linear.dtype).contiguous(),
                                      b.to(linear.device, linear.dtype).contiguous())
 
@@ -250,15 +301,19 @@ def read_peft_adapter(path: str | Path, model: "PrefillModel", linears: set[str]
     check_adapter_config(config, where)
     tensors = load_file(str(weights_file))
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    saved_bases: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
         name = key.removeprefix(_PEFT_PREFIX)
-        for part in ("lora_A", "lora_B"):
-            if name.endswith(f".{part}.weight"):
-                pairs.setdefault(name[: -len(f".{part}.weight")], {})[part] = tensor
+        if name.endswith(".base_layer.weight"):  # PEFT saves a targeted embedding's own weight (save_embedding_layers)
+            saved_bases[name.removesuffix(".base_layer.weight")] = tensor
+            continue
+        for suffix, part in _FACTORS:
+            if name.endswith(suffix):
+                pairs.setdefault(name[: -len(suffix)], {})[part] = tensor
                 break
         else:
-            raise ModelLoadError(f"{where}: tensor {key!r} is not a LoRA A or B weight of a linear layer (embedding"
-                                 " adapters, DoRA magnitudes, LoRA biases and saved modules are not supported)")
+            raise ModelLoadError(f"{where}: tensor {key!r} is not a LoRA A or B factor (DoRA magnitudes, LoRA biases"
+                                 " and saved modules are not supported)")
     skipped = set(model.lora_skipped_modules)
     merged: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor, float]]] = {}
     for module, pair in pairs.items():
@@ -277,13 +332,29 @@ def read_peft_adapter(path: str | Path, model: "PrefillModel", linears: set[str]
                                           model.checkpoint_name_mapping)
         layer = target.removesuffix(".weight")
         if layer not in linears:
-            raise ModelLoadError(f"{where}: target module {module!r} (as {layer!r}) is not a linear layer of model"
-                                 f" {model.name!r}; it cannot take a LoRA delta")
+            raise ModelLoadError(f"{where}: target module {module!r} (as {layer!r}) is not a layer of model"
+                                 f" {model.name!r} that takes adapters (its linear layers and token embeddings)")
         merged.setdefault(layer, []).append((shard, a, b, scale))
     if not merged:
         raise ModelLoadError(f"{where}: no LoRA weights for any layer of model {model.name!r}")
     linear_modules = dict(model.named_modules())
+    for module, saved in saved_bases.items():
+        _check_saved_base(module, saved, model, linear_modules, where)
     return {layer: _combine(linear_modules[layer], parts, where) for layer, parts in merged.items()}
+
+
+def _check_saved_base(module: str, saved: torch.Tensor, model: "PrefillModel", modules: Mapping[str, nn.Module],
+                      where: str) -> None:
+    """Accept a base weight an adapter folder carries only where it is the model's own (PEFT saves a targeted
+    embedding whole): a different one (a resized or retrained embedding) would replace the base and is refused."""
+    target, _ = checkpoint_target(f"{module}.weight", model.checkpoint_prefixes, model.packed_modules_mapping,
+                                  model.checkpoint_name_mapping)
+    layer = modules.get(target.removesuffix(".weight"))
+    own = getattr(getattr(layer, "base", None), "weight", None)
+    if not isinstance(own, torch.Tensor) or own.shape != saved.shape or not torch.allclose(
+            own.detach().float().cpu(), saved.float(), rtol=0, atol=1e-6 if own.dtype == torch.float32 else 1e-2):
+        raise ModelLoadError(f"{where}: it carries its own weights for {module!r} (base_layer.weight), which differ"
+                             " from the model's; adapters that replace base weights are not supported")
 
 
 def _combine(linear: LoraLinear, parts: list[tuple[int | None, torch.Tensor, torch.Tensor, float]],

@@ -89,6 +89,9 @@ class PrefillModel(nn.Module, Component):
     lora_skipped_modules: ClassVar[tuple[str, ...]] = ()
     """Checkpoint module names (as a PEFT adapter names them) whose LoRA weights are skipped: layers of the
     reference model that no output of this model reads (BERT's pooler); any other layer the model lacks is refused."""
+    lora_embedding_modules: ClassVar[tuple[str, ...]] = ()
+    """The token embedding modules that take LoRA adapters (PEFT's embedding LoRA), e.g. BERT's
+    `embeddings.word_embeddings`; any other embedding an adapter targets is refused."""
     model_types: ClassVar[tuple[str, ...]] = ()
     """Config `model_type`s this class serves (checked first, by `check_model_type`); empty: not checked."""
 

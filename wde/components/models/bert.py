@@ -214,6 +214,7 @@ class BertModel(PrefillModel):
     }
     position_offset = 0
     lora_skipped_modules = ("pooler.dense",)  # the bare BertModel's pooler, which no WDE output reads
+    lora_embedding_modules = ("embeddings.word_embeddings",)
 
     def build(self, cfg: object) -> None:
         self.embeddings = self.build_embeddings(cfg)

@@ -127,6 +127,7 @@ class DecoderModel(PrefillModel):
         "mlp.up_proj": ("mlp.gate_up_proj", 1),
     }
     default_causal = True
+    lora_embedding_modules = ("embed_tokens",)
     layer_cls: ClassVar[type[DecoderLayer]] = DecoderLayer
 
     def read_config(self, ctx: BuildContext) -> None:

@@ -79,6 +79,7 @@ class ModernBertModel(BertModel):
     checkpoint_name_mapping = {"layers": "encoder.layer", "attn.Wqkv": "attn.qkv", "attn.Wo": "attn.output.dense",
                                "final_norm": "norm"}
     packed_modules_mapping: dict[str, tuple[str, int]] = {}
+    lora_embedding_modules = ("embeddings.tok_embeddings",)
     uses_attention_window = True
 
     def build(self, cfg: object) -> None:
