@@ -3,7 +3,7 @@
 (`MultiVectorEncoder(folder)`): each token matrix of `encode_query` / `encode_document` (same rows, <= 1e-4) with
 the defaults (no artifact.metadata), a colbertv2.0-style metadata file full of training and indexing settings,
 `attend_to_mask_tokens`, `mask_punctuation: false`, `doc_maxlen`, other marker tokens; queries and documents in one
-engine step; MaxSim against `similarity`; BERT, XLM-R and ModernBERT backbones, each workflow picked from the folder;
+engine step and through a split engine's API server and core; MaxSim against `similarity`; BERT, XLM-R and ModernBERT backbones, each workflow picked from the folder;
 and what is refused, by name. The folders are written as Stanford's `colbert` library saves them
 (`HF_ColBERT.save_pretrained`: the backbone's weights under its prefix plus `linear.weight`, config.json naming
 HF_ColBERT, the tokenizer, artifact.metadata)."""
@@ -122,6 +122,21 @@ def test_other_backbones(backbone_kind: str, workflow: str, tmp_path: Path) -> N
         assert engine.workflow.name == workflow
         assert_parity(engine, st, TEXTS)
         assert_one_step(engine, st, TEXTS[:3])
+
+
+def test_split_engine_serves_queries_as_one_engine_does(backbone: Path, tmp_path: Path) -> None:
+    """A split engine's API server registers the marker and expands a query, and its core, receiving the token ids,
+    gives one engine's vectors."""
+    from wde.core.frontend import Frontend, core_request
+
+    folder = stanford(backbone, tmp_path / "split", COLBERTV2)
+    with Engine.from_workflow(None, folder) as engine:
+        frontend = Frontend(*resolve(None, folder), engine.info)
+        for i, (text, query) in enumerate(zip(TEXTS, engine.encode(TEXTS, QUERY))):
+            ready, = frontend.tokenize([frontend.make_request(text, QUERY, f"r{i}", "input")])
+            assert ready.token_ids == query.prompt_token_ids, text
+            done = engine.run([core_request(f"r{i}", ready.token_ids, ready.token_type_ids, QUERY)])
+            assert abs(done[f"r{i}"].outputs["colbert"] - query.outputs["colbert"]).max() <= 1e-6, text
 
 
 def _write(folder: Path, name: str, change) -> None:  # noqa: ANN001
