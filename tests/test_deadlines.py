@@ -356,7 +356,7 @@ def test_clients_hanging_up_free_their_slots_at_once_and_are_499s_in_one_line(se
         async with httpx.AsyncClient(timeout=GUARD_S) as client:
             async def active() -> float:
                 text = (await client.get(f"{url}/metrics")).text
-                found = re.search(r"^wde_active_requests (\S+)$", text, re.M)
+                found = re.search(r"^wde_active_requests(?:{[^}]*})? (\S+)$", text, re.M)
                 return float(found.group(1)) if found else 0.0
 
             async def until(what: Callable[[float], bool]) -> None:

@@ -107,12 +107,15 @@ def wait_healthy(url: str, alive: Callable[[], bool], timeout: float = 120) -> N
 
 
 def metric(base: str, name: str, **labels: str) -> float:
-    """One sample of the server's /metrics (0 when absent)."""
+    """The server's /metrics samples of `name` whose labels include `labels`, summed (0 when absent): engine
+    series carry a `model` label, summed over the served models unless `model=` is given."""
     text = httpx.get(f"{base}/metrics").text
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    pattern = rf"^{re.escape(name)}{re.escape('{' + want + '}') if want else ''} (\S+)$"
-    found = re.search(pattern, text, re.M)
-    return float(found.group(1)) if found else 0.0
+    total = 0.0
+    for found in re.finditer(rf"^{re.escape(name)}(?:{{(.*)}})? (\S+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', found.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(found.group(2))
+    return total
 
 
 SPLIT = ("api-servers=1", "api-servers=2")

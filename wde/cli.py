@@ -279,18 +279,27 @@ def image_limit_overrides(**limits: float | None) -> list[str]:
 
 
 @main.command()
-@click.option("--workflow", "-w", default=None, help="workflow file or name (default: chosen from the model)")
-@click.option("--model", "-m", default=None, help="model folder or cached hub id (default: all-MiniLM-L6-v2)")
+@click.option("--workflow", "-w", "workflows", multiple=True,
+              help="workflow file or name (default: chosen from the model); with several --model, one per --model"
+                   " in the same order, or none")
+@click.option("--model", "-m", "models", multiple=True,
+              help="model folder or cached hub id (default: all-MiniLM-L6-v2); repeat to serve several models, each"
+                   " its own engine, requests choosing one by its name in `model`")
+@click.option("--config", "serve_config", default=None, type=click.Path(dir_okay=False), metavar="SERVE.YAML",
+              help="a YAML list of the models to serve, each with its workflow, names and overrides (instead of"
+                   " --model, --workflow and --served-model-name; docs/operations.md)")
 @click.option("--host", default="127.0.0.1", show_default=True, help="bind address (loopback unless told otherwise)")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port to listen on")
 @click.option("--grpc-port", default=None, type=click.IntRange(0, 65535), metavar="PORT",
               help="also serve TEI's gRPC API (tei.proto) on this port of --host (needs: pip install 'wde[grpc]')")
 @click.option("--api-key", default=None, envvar="WDE_API_KEY", help="require 'Authorization: Bearer KEY'")
-@click.option("--served-model-name", default=None,
+@click.option("--served-model-name", "served_model_names", multiple=True,
               help="name(s) the API answers to, comma separated; the first is reported (default: the model id or"
-                   " folder name; its last path component, e.g. all-MiniLM-L6-v2, is always accepted)")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="override a workflow value, e.g. scheduler.params.max_num_batched_tokens=8192 (repeatable)")
+                   " folder name; its last path component, e.g. all-MiniLM-L6-v2, is always accepted); with several"
+                   " --model, one per --model in the same order, or none")
+@click.option("--set", "overrides", multiple=True, metavar="[NAME:]KEY=VALUE",
+              help="override a workflow value, e.g. scheduler.params.max_num_batched_tokens=8192 (repeatable): of"
+                   " every model, or with NAME: of the model called NAME only")
 @click.option("--max-client-batch-size", default=2048, show_default=True, type=int,
               help="most inputs one request may carry (2048 is OpenAI's own limit); more is answered 422")
 @click.option("--max-concurrent-requests", default=512, show_default=True, type=int,
@@ -356,8 +365,9 @@ def image_limit_overrides(**limits: float | None) -> list[str]:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="log level; debug also prints the traceback of a start-up failure after its one line")
-def serve(workflow: str | None, model: str | None, host: str, port: int, grpc_port: int | None, api_key: str | None,
-          served_model_name: str | None, overrides: tuple[str, ...], max_client_batch_size: int,
+def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str | None, host: str, port: int,
+          grpc_port: int | None, api_key: str | None,
+          served_model_names: tuple[str, ...], overrides: tuple[str, ...], max_client_batch_size: int,
           max_concurrent_requests: int, payload_limit: int | None, trust_remote_code: bool, access_log: bool,
           quantization_ranges: str | None, api_servers: str, token_id_inputs: bool, long_inputs: str,
           max_embed_len: int | None, request_timeout: float,
@@ -376,15 +386,24 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, grpc_po
     from wde.server import ServerConfig, run_server
     from wde.server.app import EngineFailed
     from wde.server.config import LimitError
+    from wde.server.model_config import from_options, load_serve_config, with_overrides
     from wde.server.startup import StartupError
 
     try:
-        config = ServerConfig(workflow=workflow, model=model, host=host, port=port, grpc_port=grpc_port,
+        every = list(overrides) + image_limit_overrides(
+            max_image_pixels=max_image_pixels, max_image_aspect_ratio=max_image_aspect_ratio,
+            max_request_image_pixels=max_request_image_pixels)
+        if serve_config is not None:
+            given = [o for o, v in (("--model", models), ("--workflow", workflows),
+                                    ("--served-model-name", served_model_names)) if v]
+            if given:
+                raise StartupError(f"--config lists the models to serve; {', '.join(given)} cannot be given beside"
+                                   " it (put them in the config's entries)")
+            served = with_overrides(load_serve_config(serve_config), every)
+        else:
+            served = from_options(models, workflows, served_model_names, every)
+        config = ServerConfig(models=served, host=host, port=port, grpc_port=grpc_port,
                               api_key=api_key,
-                              served_model_name=served_model_name,
-                              overrides=list(overrides) + image_limit_overrides(
-                                  max_image_pixels=max_image_pixels, max_image_aspect_ratio=max_image_aspect_ratio,
-                                  max_request_image_pixels=max_request_image_pixels),
                               max_client_batch_size=max_client_batch_size,
                               max_concurrent_requests=max_concurrent_requests, payload_limit=payload_limit,
                               trust_remote_code=trust_remote_code, access_log=access_log,
@@ -399,6 +418,8 @@ def serve(workflow: str | None, model: str | None, host: str, port: int, grpc_po
                               image_fetch_connections=image_fetch_connections, log_level=log_level)
     except LimitError as e:  # a start-up refusal like any other: one line naming the option, exit 1
         raise click.ClickException(e.message(e.option)) from None
+    except StartupError as e:  # mismatched --model/--workflow/--served-model-name, a bad --config: one line
+        raise click.ClickException(str(e)) from None
     except ValueError as e:
         hint = ("--api-key" if "api_key" in str(e) else "--max-embed-len" if "max_embed_len" in str(e)
                 else "--quantization-ranges" if "quantization" in str(e) else "--allowed-origins" if "origin" in str(e)

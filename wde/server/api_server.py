@@ -31,9 +31,11 @@ def routing_id(index: int, generation: int) -> bytes:
     return f"a{index}.{generation}".encode()
 
 
-def api_server_main(config: ServerConfig, info: EngineInfo, address: str, index: int, generation: int,
-                    sockets: list[socket.socket], ready: Connection) -> None:
-    """The process's body: serve on `sockets` until SIGTERM, or until the core goes away (exit 3)."""
+def api_server_main(config: ServerConfig, infos: list[EngineInfo], addresses: list[str], index: int,
+                    generation: int, sockets: list[socket.socket], ready: Connection) -> None:
+    """The process's body: serve on `sockets` until SIGTERM, or until a core goes away (exit 3). Each served
+    model has its core (`addresses`, in `config.served_models()` order, described by `infos`); this process holds
+    a client of each."""
     from wde.core.client import CoreClient
     from wde.core.engine_core import EXIT_GAVE_UP
     from wde.core.frontend import Frontend
@@ -47,16 +49,19 @@ def api_server_main(config: ServerConfig, info: EngineInfo, address: str, index:
     told: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _: told.append(signum))  # told to stop before serving
     _log_to_stderr(config.log_level)
-    workflow, source = resolve(**config.engine_args())
     rid = routing_id(index, generation)
-    client = CoreClient(Frontend(workflow, source, info), address, config.max_concurrent_requests,
-                        tag=f"{rid.decode()}.", routing_id=rid)
-    app = create_app(client, config)
+    clients = []
+    for i, (info, address) in enumerate(zip(infos, addresses)):
+        workflow, source = resolve(**config.engine_args(i))
+        clients.append(CoreClient(Frontend(workflow, source, info), address, config.max_concurrent_requests,
+                                  tag=f"{rid.decode()}.", routing_id=rid))
+    app = create_app(clients, config)
     protocol = counting(http_protocol(config, app.state.service.metrics), index)
     server = ReportingServer(uvicorn.Config(app, log_level=quieter(config.log_level, "warning"),
                                             access_log=config.access_log, http=protocol, backlog=LISTEN_BACKLOG),
                              ready)
-    client.on_fatal = lambda error: setattr(server, "should_exit", True)
+    for client in clients:
+        client.on_fatal = lambda error: setattr(server, "should_exit", True)
     # uvicorn re-raises a caught SIGTERM after its graceful shutdown into the handler in place before it ran;
     # this one makes that a clean exit, and stops the server if the signal comes before uvicorn's handler is in.
     signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
@@ -64,7 +69,7 @@ def api_server_main(config: ServerConfig, info: EngineInfo, address: str, index:
         raise SystemExit(0)
     with frozen_heap():
         server.run(sockets=sockets)
-    raise SystemExit(EXIT_GAVE_UP if client.error is not None else 0)
+    raise SystemExit(EXIT_GAVE_UP if any(client.error is not None for client in clients) else 0)
 
 
 def counting(protocol: type[asyncio.Protocol], index: int) -> type[asyncio.Protocol]:

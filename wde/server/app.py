@@ -7,8 +7,8 @@ import logging
 import signal
 import socket
 import threading
-from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from contextlib import ExitStack, asynccontextmanager
+from typing import AsyncIterator, Sequence
 
 from fastapi import FastAPI
 from fastapi.responses import Response
@@ -29,7 +29,8 @@ from wde.server.heap import frozen_heap
 from wde.server.metrics import ServerMetrics
 from wde.server.middleware import (ApiKeyMiddleware, JsonContentTypeMiddleware, MetricsMiddleware, OriginMiddleware,
                                    PayloadLimitMiddleware, RequestIdMiddleware)
-from wde.server.service import ClientDisconnected, Service
+from wde.server.model_config import name_table
+from wde.server.service import ClientDisconnected, ServedModels, Service
 from wde.server.startup import StartupError, check_metrics_dir, listen, startup_line
 from wde.server.timeouts import BodyTimeoutMiddleware, client_gone, http_protocol
 
@@ -37,30 +38,49 @@ _ROUTERS = (openai_routes.router, score_routes.router, rerank_routes.router, coh
             weaviate_routes.router)
 
 
-def create_app(engine: Engine | CoreClient, config: ServerConfig | None = None) -> FastAPI:
+def create_app(engine: Engine | CoreClient | Sequence[Engine | CoreClient],
+               config: ServerConfig | None = None) -> FastAPI:
     """An app serving `engine`: an `Engine` in this process, whose engine thread starts and stops with the app
-    (the caller closes `engine`), or, in an API server of a split engine, the client of the engine core. With
-    `config.grpc_port` the app's lifespan also runs TEI's gRPC API on the same engine (wde/server/grpc)."""
+    (the caller closes `engine`), or, in an API server of a split engine, the client of the engine core. A server
+    of several models (`config.served_models()`) is given one per model, in that order; each is a `Service` in
+    `app.state.models`, the first also `app.state.service` (the default model). With `config.grpc_port` the app's
+    lifespan also runs TEI's gRPC API on the default model (wde/server/grpc)."""
     config = config or ServerConfig()
+    engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
+    if len(engines) != len(config.served_models()):
+        raise ValueError(f"create_app got {len(engines)} engines for the {len(config.served_models())} models of"
+                         " its config; give one per model, in order")
     metrics = ServerMetrics()
-    if isinstance(engine, Engine):
-        async_engine: AsyncEngine | CoreClient = AsyncEngine(engine, config.max_concurrent_requests,
-                                                             on_batch=metrics.on_batch)
-    else:
-        async_engine = engine
-    metrics.bind(async_engine)
+    names = name_table(config.served_models())
+    async_engines: list[AsyncEngine | CoreClient] = []
+    for i, each in enumerate(engines):
+        model_metrics = metrics.for_model(names[i][0])
+        if isinstance(each, Engine):
+            async_engines.append(AsyncEngine(each, config.max_concurrent_requests, on_batch=model_metrics.on_batch))
+            model_metrics.on_weights(each.components["model"])
+        else:
+            async_engines.append(each)
+        model_metrics.bind(async_engines[-1])
+    in_process = isinstance(engines[0], Engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
+        started: list[AsyncEngine | CoreClient] = []
         try:
-            async with serving_grpc(app, config, reuse_port=not isinstance(engine, Engine)):
+            for each in async_engines:
+                each.start()
+                started.append(each)
+            async with serving_grpc(app, config, reuse_port=not in_process):
                 yield
         finally:
-            async_engine.stop()
+            for each in started:
+                each.stop()
 
     app = FastAPI(title="WDE", version=wde.__version__, lifespan=lifespan)
-    app.state.service = Service(async_engine, config, metrics)
+    services = [Service(each, config, metrics, i) for i, each in enumerate(async_engines)]
+    app.state.models = ServedModels(services)
+    app.state.service = services[0]
+    app.state.metrics = metrics
     for router in _ROUTERS:
         app.include_router(router)
 
@@ -76,9 +96,8 @@ def create_app(engine: Engine | CoreClient, config: ServerConfig | None = None) 
     # Added innermost first: a request passes the id, metrics, origin, key, content-type, size and body-time
     # checks in that order (the origin check before the key: a CORS preflight carries no key).
     app.add_middleware(BodyTimeoutMiddleware, timeout=config.body_timeout)
-    service = app.state.service
-    app.add_middleware(PayloadLimitMiddleware, limit=config.effective_payload_limit(async_engine.info.max_length,
-                                                                                    service.max_image_bytes))
+    limit = max(config.effective_payload_limit(svc.info.max_length, svc.max_image_bytes) for svc in services)
+    app.add_middleware(PayloadLimitMiddleware, limit=limit)
     json_routes = frozenset(r.path for router in _ROUTERS for r in router.routes if "POST" in r.methods)
     app.add_middleware(JsonContentTypeMiddleware, paths=json_routes)
     if config.api_key is not None:
@@ -132,11 +151,13 @@ def _serve(config: ServerConfig, sockets: list[socket.socket]) -> None:
 
     if config.port == 0:  # the port the kernel chose, for the start-up line
         config = dataclasses.replace(config, port=sockets[0].getsockname()[1])
-    engine = Engine.from_workflow(**config.engine_args())
-    with engine:
-        app = create_app(engine, config)
+    with ExitStack() as stack:
+        engines = [stack.enter_context(Engine.from_workflow(**config.engine_args(i)))
+                   for i in range(len(config.served_models()))]
+        app = create_app(engines, config)
         service = app.state.service
-        logging.getLogger("wde").info(startup_line(config, service.info, service.model_names))
+        others = [(svc.info, svc.model_names) for svc in app.state.models.services[1:]]
+        logging.getLogger("wde").info(startup_line(config, service.info, service.model_names, others=others))
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                                access_log=config.access_log,
                                                http=http_protocol(config, service.metrics)))
@@ -146,7 +167,8 @@ def _serve(config: ServerConfig, sockets: list[socket.socket]) -> None:
             fatal.append(error)
             server.should_exit = True
 
-        app.state.service.engine.on_fatal = on_fatal
+        for svc in app.state.models.services:
+            svc.engine.on_fatal = on_fatal
         # uvicorn re-raises a caught SIGTERM after its graceful shutdown, with the handler that was in place
         # before it started; with the default one the process would die by the signal (exit 143), not exit 0.
         # This one also stops a server that is told to before uvicorn's own handler is in place.

@@ -21,7 +21,7 @@ from wde.server.protocol import (Body, CohereEmbeddingType, CohereEmbedRequest, 
                                  read_json)
 from wde.server.quantize import quantize_rows
 from wde.server.responses import JSONResponse, encode_array
-from wde.server.service import Service
+from wde.server.service import Service, model_service
 
 router = APIRouter()
 
@@ -155,7 +155,7 @@ def multi_vector_options(svc: Service, body: CohereEmbedRequest) -> dict[str, st
 async def _embed(request: Request, svc: Service, body: CohereEmbedRequest, route: str) -> tuple[_Inputs, Any]:
     """Embed what a Cohere body asks for (v1's body comes here as a v2 one): the inputs and the engine's result,
     whose outputs hold 'dense' vectors, or for a late-interaction model 'colbert' token matrices."""
-    svc.check_model(body.model)
+    svc = model_service(request, body.model)
     multi = multi_vector(svc)
     if not multi:
         svc.require("dense", route)

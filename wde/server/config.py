@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from wde.server.model_config import ModelConfig, explicit_names, name_table, with_aliases
+
 
 @dataclass
 class ServerConfig:
@@ -81,10 +83,18 @@ class ServerConfig:
     """Connections the server (each API server process) holds for fetching images at once, all requests together;
     further fetches wait for one, within their request's deadline."""
 
-    def engine_args(self) -> dict[str, object]:
-        """What `Engine.from_workflow` / `wde.engine.resolve` are given to build what this server serves."""
-        return {"workflow": self.workflow, "model": self.model, "overrides": self.overrides,
-                "trust_remote_code": self.trust_remote_code}
+    models: tuple[ModelConfig, ...] = ()
+    """Every model the server serves, the default first (`wde serve --model A --model B`, `--config serve.yaml`:
+    wde/server/model_config.py); empty: the one model of `workflow`, `model`, `served_model_name` and
+    `overrides`, which must then be unset."""
+
+    def served_models(self) -> tuple[ModelConfig, ...]:
+        """The models this server serves, the default one (for requests naming none) first."""
+        return self.models or (ModelConfig(self.model, self.workflow, self.served_model_name, tuple(self.overrides)),)
+
+    def engine_args(self, index: int = 0) -> dict[str, object]:
+        """What `Engine.from_workflow` / `wde.engine.resolve` are given to build served model `index`."""
+        return self.served_models()[index].engine_args(self.trust_remote_code)
 
     def effective_payload_limit(self, max_length: int, max_image_bytes: int | None = None) -> int:
         """The body limit in bytes: `payload_limit` when given, else `default_payload_limit` for this batch limit
@@ -97,12 +107,13 @@ class ServerConfig:
         """Every `model` a request may name, the primary first: the --served-model-name values (else
         `public_name`, the model as clients see it), then `public_name`, the --model value, and the short alias of
         each, the last path component (`sentence-transformers/all-MiniLM-L6-v2` → `all-MiniLM-L6-v2`)."""
-        served = [n.strip() for n in (self.served_model_name or "").split(",") if n.strip()]
-        names = served + [public_name] + ([self.model] if self.model else [])
-        names += [n.rstrip("/").rsplit("/", 1)[-1] for n in names]
-        return tuple(dict.fromkeys(n for n in names if n))
+        return with_aliases(explicit_names(self.served_model_name, public_name, self.model))
 
     def __post_init__(self) -> None:
+        if self.models and (self.model or self.workflow or self.served_model_name or self.overrides):
+            raise ValueError("models lists every served model: give model, workflow, served_model_name and"
+                             " overrides in its entries, not beside it")
+        name_table(self.served_models())  # two models called alike: a StartupError naming both
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty: an empty key would turn authentication off; give a key, or none")
         check_limits(self)
@@ -118,8 +129,9 @@ class ServerConfig:
             from wde.server.middleware import normalize_origin
 
             self.allowed_origins = tuple(dict.fromkeys(normalize_origin(o) for o in self.allowed_origins))
-        if self.served_model_name is not None and not self.served_model_name.strip(" ,"):
-            raise ValueError("served_model_name is empty: give a name, several comma separated, or none")
+        for served in self.served_models():
+            if served.served_model_name is not None and not served.served_model_name.strip(" ,"):
+                raise ValueError("served_model_name is empty: give a name, several comma separated, or none")
         self.allow_image_fetch = tuple(dict.fromkeys(fetch_host(h) for h in self.allow_image_fetch))
         if self.quantization_ranges is not None:
             from wde.server.quantize import load_ranges

@@ -27,7 +27,7 @@ from wde.late_chunking import Document, LateChunk, join, prepare
 from wde.request import PoolingParams
 from wde.server.errors import ApiError
 from wde.server.protocol import EmbeddingRequest, parse
-from wde.server.service import Result, Service, api_error
+from wde.server.service import Result, Service, api_error, model_service
 from wde.server.truncation import truncation
 
 FIELDS = ("late_chunking", "spans", "chunker", "chunk_tokens")
@@ -55,12 +55,13 @@ def asked(raw: Any) -> bool:
     return (flag is not None and flag is not False) or any(k in raw for k in FIELDS[1:])
 
 
-async def late_chunks(request: Request, svc: Service, raw: dict) -> tuple[LateChunkingRequest, list[LateChunk], Result]:
-    """The body, its document's chunks with their vectors, and the engine's result (usage, timing headers)."""
+async def late_chunks(request: Request, raw: dict) -> tuple[Service, LateChunkingRequest, list[LateChunk], Result]:
+    """The service of the model the body names, the body, its document's chunks with their vectors, and the
+    engine's result (usage, timing headers)."""
     if "messages" in raw:
         raise ApiError("validation", "late chunking takes texts in `input`, not `messages`", "messages")
     body = parse(LateChunkingRequest, raw)
-    svc.check_model(body.model)
+    svc = model_service(request, body.model)
     if not body.late_chunking:
         given = next(k for k in FIELDS[1:] if k in raw)
         raise ApiError("validation", f"{given} goes with late_chunking: true", given)
@@ -85,7 +86,8 @@ async def late_chunks(request: Request, svc: Service, raw: dict) -> tuple[LateCh
     cut = truncation(body, svc.info.max_length, body.truncate)
     if not cut["truncate"] and svc.long_inputs(None).get("truncate"):
         cut["truncate"] = True  # the server's --long-inputs truncate; chunked processing is not for late chunking
-    params = PoolingParams(**cut, prompt_name=body.prompt_name, dimensions=body.dimensions or None)
+    params = PoolingParams(**cut, prompt_name=body.prompt_name, dimensions=body.dimensions or None,
+                           options=svc.jina_task(body.task, body.options))
     limit = min(svc.info.max_length, svc.info.token_budget or svc.info.max_length)
 
     def tokenized() -> Document:
@@ -105,4 +107,4 @@ async def late_chunks(request: Request, svc: Service, raw: dict) -> tuple[LateCh
         raise api_error(e) from None
     # a tuple, not a list: these ids are this server's own tokens of the text, not a client's token-id input
     result = await svc.run(request, [doc.token_ids], doc.params, "input", ["input"])
-    return body, doc.chunks(result.outputs[0]), result
+    return svc, body, doc.chunks(result.outputs[0]), result

@@ -18,19 +18,25 @@ from wde.request import PoolingParams
 from wde.server.chat_embeddings import chat_input
 from wde.server.errors import ApiError
 from wde.server.image_inputs import image_inputs, require_images
+from wde.server.image_sides import pooling_inputs
 from wde.server.late_chunking import LateChunkingRequest, asked, late_chunks
 from wde.server.protocol import (ChatEmbeddingRequest, EmbeddingOptions, EmbeddingRequest, PoolingRequest, body_schema,
                                  embed_items, item_names, parse, read_json)
 from wde.server.quantize import quantize_rows, to_base64
 from wde.server.responses import JSONResponse, encode_array
-from wde.server.service import Result, Service, to_json
+from wde.server.service import Result, ServedModels, Service, model_service, to_json
 from wde.server.truncation import truncation
 
 router = APIRouter()
 
 
-def service(request: Request) -> Service:
-    return request.app.state.service
+def service(request: Request, model: str | None = None) -> Service:
+    """The service of the model a request names (`model`, else `?model=`, else the default one)."""
+    return model_service(request, model)
+
+
+def served(request: Request) -> ServedModels:
+    return request.app.state.models
 
 
 def encode_vector(vector: np.ndarray, encoding_format: str) -> np.ndarray | str:
@@ -44,10 +50,9 @@ def encode_vector(vector: np.ndarray, encoding_format: str) -> np.ndarray | str:
 @router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingRequest, ChatEmbeddingRequest, LateChunkingRequest))
 @router.post("/embeddings", openapi_extra=body_schema(EmbeddingRequest, ChatEmbeddingRequest, LateChunkingRequest))
 async def embeddings(request: Request) -> JSONResponse:
-    svc = service(request)
     raw = await read_json(request)
     if asked(raw):  # late chunking: one vector per chunk of a document (wde/server/late_chunking.py)
-        body, chunks, result = await late_chunks(request, svc, raw)
+        svc, body, chunks, result = await late_chunks(request, raw)
         vectors = quantize_rows([c.vector for c in chunks], body.embed_dtype, svc.config.quantization_ranges,
                                 "embed_dtype")
         return _list_response(svc, [{"object": "embedding", "embedding": encode_vector(v, body.encoding_format),
@@ -58,7 +63,7 @@ async def embeddings(request: Request) -> JSONResponse:
         if "input" in raw:
             raise ApiError("validation", "input and messages are both given; send one of them (messages: vLLM's"
                            " chat-style request, one vector per request)", "messages")
-        svc.check_model(chat.model)
+        svc = service(request, chat.model)
         svc.require("dense", request.url.path)
         item, name = await chat_input(svc, request, chat)
         if chat.prompt_name is not None and not isinstance(item, dict):  # texts are {"text": ...}
@@ -66,7 +71,7 @@ async def embeddings(request: Request) -> JSONResponse:
                            "prompt_name")
         return await _embed(request, svc, chat, [item], [name], images=True)
     body = parse(EmbeddingRequest, raw)
-    svc.check_model(body.model)
+    svc = service(request, body.model)
     if body.modality == "audio":
         raise ApiError("unsupported", "modality 'audio': WDE embeds texts and images, not audio", "modality")
     if body.modality == "image":
@@ -91,7 +96,7 @@ async def _embed(request: Request, svc: Service, body: EmbeddingOptions, inputs:
     """Embed `inputs` with the body's options, in OpenAI's list envelope."""
     params = PoolingParams(**long_inputs(svc, truncation(body, svc.info.max_length, body.truncate)),
                            prompt_name=body.prompt_name, dimensions=body.dimensions or None, outputs=("dense",),
-                           options=body.options)
+                           options=svc.jina_task(body.task, body.options))
     result = await svc.run(request, inputs, params, "input", names, images=images)
     vectors = quantize_rows(result.dense, body.embed_dtype, svc.config.quantization_ranges, "embed_dtype")
     data = [{"object": "embedding", "embedding": encode_vector(v, body.encoding_format), "index": i}
@@ -109,9 +114,8 @@ def long_inputs(svc: Service, cut: dict[str, Any]) -> dict[str, Any]:
 async def pooling(request: Request) -> JSONResponse:
     """vLLM's /pooling: `data[i].data` is the task's output (what vLLM's clients read); the workflow's other
     outputs (bge-m3's sparse and colbert), or those `outputs` names, ride along under their own names."""
-    svc = service(request)
     body = parse(PoolingRequest, await read_json(request))
-    svc.check_model(body.model)
+    svc = service(request, body.model)
     main = _task_output(svc, body.task)
     extras = [o for o in (body.outputs if body.outputs is not None else svc.produces) if o != main]
     unknown = [o for o in extras if o not in svc.supported]
@@ -136,7 +140,8 @@ async def pooling(request: Request) -> JSONResponse:
                            activation=None if pooled else body.use_activation, prompt_name=body.prompt_name,
                            options=svc.options(body.options, body.input_type, "input_type"),
                            dimensions=body.dimensions, outputs=(main, *extras))
-    result = await svc.run(request, embed_items(body.input), params, "input", item_names("input", body.input))
+    inputs, images = await pooling_inputs(svc, request, body)
+    result = await svc.run(request, inputs, params, "input", item_names("input", body.input), images=images)
     data = []
     for i, o in enumerate(result.outputs):
         value = o.outputs[main]
@@ -195,16 +200,14 @@ def _model_card(svc: Service) -> dict:
 
 @router.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(service(request))]})
+    """Every served model, the default first."""
+    return JSONResponse({"object": "list", "data": [_model_card(svc) for svc in served(request).services]})
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(request: Request, model_id: str) -> JSONResponse:
     """OpenAI's `models.retrieve`: the served model under any of its names; 404 for any other id."""
-    svc = service(request)
-    if model_id not in svc.model_names:
-        raise svc.not_served(model_id)
-    return JSONResponse(_model_card(svc))
+    return JSONResponse(_model_card(served(request).pick(model_id)))
 
 
 _CAPABILITIES = {"dense": "embed", "score": "rerank", "probs": "classify"}
@@ -214,13 +217,15 @@ _CAPABILITIES = {"dense": "embed", "score": "rerank", "probs": "classify"}
 @router.get("/models")
 async def infinity_models(request: Request) -> JSONResponse:
     """Infinity's /models: OpenAI's list whose cards carry Infinity's `stats` (read by infinity_client),
-    `backend` and `capabilities`."""
-    svc = service(request)
+    `backend` and `capabilities`; one per served model, the default first."""
+    return JSONResponse({"object": "list", "data": [_infinity_card(svc) for svc in served(request).services]})
+
+
+def _infinity_card(svc: Service) -> dict:
     engine = svc.engine
     limit = max(1, engine.max_concurrent_requests)
     stats = {"queue_fraction": engine.active_calls / limit, "queue_absolute": engine.queue_depth,
              "results_pending": engine.num_pending, "batch_size": svc.info.max_num_requests}
-    card = {"id": svc.model_name, "object": "model", "owned_by": "infinity", "created": svc.created,
+    return {"id": svc.model_name, "object": "model", "owned_by": "infinity", "created": svc.created,
             "backend": "wde", "capabilities": sorted(_CAPABILITIES[o] for o in svc.supported if o in _CAPABILITIES),
             "stats": stats}
-    return JSONResponse({"object": "list", "data": [card]})

@@ -3,7 +3,9 @@
 The launcher checks the port and makes each API server's listening sockets first (a port in use fails at once,
 nothing loaded; `wde.server.listeners`: with `SO_REUSEPORT` each API server has sockets of its own and the kernel
 spreads connections over them), starts the core (`wde.core.engine_core`), waits until its model is loaded, starts
-N API-server processes (`wde.server.api_server`), then watches all of them.
+N API-server processes (`wde.server.api_server`), then watches all of them. A server of several models
+(`wde serve --model A --model B`) has one core per model, loading at once, each on its own socket; every API
+server is a client of every core, and the death of any core stops the server (exit 3), as the one core's does.
 
 An API server that dies (killed, crashed, out of memory) takes the connections it holds with it: their clients
 see the connection reset, and the connections waiting in its backlog are reset too. The others keep serving; the
@@ -89,10 +91,10 @@ def default_api_servers(device: str | None = None) -> int:
 
 
 def run_split_server(config: ServerConfig, api_servers: int) -> int:
-    """Serve with the engine core in its own process; returns the exit code (see the module docstring)."""
+    """Serve with each model's engine core in its own process; returns the exit code (see the module docstring)."""
     from wde.engine import resolve
     from wde.server.app import _log_to_stderr
-    from wde.server.service import served_names
+    from wde.server.model_config import name_table
     from wde.server.startup import startup_line
 
     _log_to_stderr(config.log_level)
@@ -102,39 +104,50 @@ def run_split_server(config: ServerConfig, api_servers: int) -> int:
     stopping: list[int] = []
     handlers = {sig: signal.signal(sig, lambda signum, _: stopping.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
-    core: BaseProcess | None = None
+    cores: list[BaseProcess] = []
     apis: _ApiServers | None = None
     try:
         first = listeners.first(api_servers)  # connections made while the model loads wait in these backlogs
         if config.port == 0:  # the port the kernel chose, for the start-up line
             config = dataclasses.replace(config, port=listeners.port)
         config = prepare_grpc(config)  # every API server serves gRPC on this one port (SO_REUSEPORT)
-        resolve(**config.engine_args())  # a bad workflow fails here, by name, before any process starts
+        count = len(config.served_models())
+        for i in range(count):  # a bad workflow fails here, by name, before any process starts
+            resolve(**config.engine_args(i))
         ctx = multiprocessing.get_context("spawn")
         workdir = _workdir()
-        address = f"ipc://{workdir}/core.sock"
+        addresses = [f"ipc://{workdir}/core{i}.sock" for i in range(count)]
         metrics_dir = os.path.join(workdir, "metrics")
         os.mkdir(metrics_dir)
         with _environ(PROMETHEUS_MULTIPROC_DIR=metrics_dir):  # this server's own, whatever the caller's says
-            ready, ready_child = ctx.Pipe(duplex=False)
-            core = ctx.Process(target=_core_main, args=(config, address, ready_child), name="wde-engine-core")
-            core.start()
-            ready_child.close()
-            info = _await_ready(core, ready, stopping)
-            if info is None:
-                return 0
-            check_long_inputs(config, info)
-            apis = _ApiServers(ctx, config, info, address, listeners, metrics_dir)
+            readies = []
+            for i, address in enumerate(addresses):  # every model loads at once, each in its own core
+                ready, ready_child = ctx.Pipe(duplex=False)
+                name = "wde-engine-core" if count == 1 else f"wde-engine-core-{i}"
+                cores.append(ctx.Process(target=_core_main, args=(config, i, address, ready_child), name=name))
+                cores[-1].start()
+                ready_child.close()
+                readies.append(ready)
+            infos = []
+            for core, ready in zip(cores, readies):
+                info = _await_ready(core, ready, stopping)
+                if info is None:
+                    return 0
+                check_long_inputs(config, info)
+                infos.append(info)
+            apis = _ApiServers(ctx, config, infos, addresses, listeners, metrics_dir)
             apis.start(first)
             first = []
-            log.info("%s; engine core pid %d; API server pids %s",
-                     startup_line(config, info, served_names(config), api_servers), core.pid,
-                     ", ".join(str(p.pid) for p in apis.processes()))
-            return apis.supervise(core, stopping)
+            names = name_table(config.served_models())
+            pids = ", ".join(f"{c.pid}" + (f" ({names[i][0]})" if count > 1 else "") for i, c in enumerate(cores))
+            log.info("%s; engine core pid %s; API server pids %s",
+                     startup_line(config, infos[0], names[0], api_servers, others=list(zip(infos[1:], names[1:]))),
+                     pids, ", ".join(str(p.pid) for p in apis.processes()))
+            return apis.supervise(cores, stopping)
     finally:
         for sockets in first:
             listeners.release(sockets)
-        _stop([core, *apis.processes()] if apis is not None else [core] if core is not None else [])
+        _stop(cores, apis.processes() if apis is not None else [])
         if apis is not None:
             apis.close()
         listeners.close()
@@ -208,21 +221,22 @@ class _Slot:
 class _ApiServers:
     """Starts the API servers, watches them with the core, and restarts the ones that die (module docstring)."""
 
-    def __init__(self, ctx: multiprocessing.context.SpawnContext, config: ServerConfig, info: EngineInfo,
-                 address: str, listeners: SplitListeners, metrics_dir: str) -> None:
+    def __init__(self, ctx: multiprocessing.context.SpawnContext, config: ServerConfig, infos: list[EngineInfo],
+                 addresses: list[str], listeners: SplitListeners, metrics_dir: str) -> None:
         import zmq
 
         from wde.core.engine_core import socket as core_socket
 
         self.ctx = ctx
         self.config = config
-        self.info = info
-        self.address = address
+        self.infos = infos
+        self.addresses = addresses
+        """Each served model's core, in `config.served_models()` order."""
         self.listeners = listeners
         self.metrics_dir = metrics_dir
         self.slots: list[_Slot] = []
-        self._core = core_socket(address, zmq.DEALER, bind=False, routing_id=b"launcher")
-        """Where `wire.Gone` goes when an API server died."""
+        self._cores = [core_socket(a, zmq.DEALER, bind=False, routing_id=b"launcher") for a in addresses]
+        """Where `wire.Gone` goes when an API server died: every core."""
 
     def processes(self) -> list[BaseProcess]:
         return [s.proc for s in self.slots if s.proc is not None]
@@ -236,25 +250,30 @@ class _ApiServers:
         for s in self.slots:
             if s.ready is not None:
                 s.ready.close()
-        self._core.close(0)
+        for core in self._cores:
+            core.close(0)
 
-    def supervise(self, core: BaseProcess, stopping: list[int]) -> int:
+    def supervise(self, cores: list[BaseProcess], stopping: list[int]) -> int:
+        """Watch the cores and API servers until told to stop (0) or a core dies (`EXIT_GAVE_UP`): the server is
+        whole only while every model's core lives."""
         while not stopping:
             due = [s.restart_at for s in self.slots if s.restart_at is not None]
             timeout = max(0.0, min([0.5, *(t - time.monotonic() for t in due)]))
-            waiting: list = [core.sentinel, *(p.sentinel for p in self.processes())]
+            waiting: list = [*(c.sentinel for c in cores), *(p.sentinel for p in self.processes())]
             wait(waiting + [s.ready for s in self.slots if s.ready is not None], timeout)
             self._note_serving()
             dead = [s for s in self.slots if s.proc is not None and not s.proc.is_alive()]
             if any(s.proc.exitcode == EXIT_GAVE_UP for s in dead if s.proc is not None):
-                core.join(CORE_GRACE_S)  # it lost the core: is the core gone?
-            ended = [p for p in (core, *(s.proc for s in dead)) if p is not None and not p.is_alive()]
+                for core in cores:  # it lost a core: is that core gone?
+                    core.join(CORE_GRACE_S / len(cores))
+            ended = [p for p in (*cores, *(s.proc for s in dead)) if p is not None and not p.is_alive()]
             if ended and _stopped_with_us(ended, stopping):
                 break
-            if not core.is_alive():
-                log.critical("%s (pid %d) exited with code %s; stopping the server", core.name, core.pid,
-                             core.exitcode)
-                return EXIT_GAVE_UP
+            for core in cores:
+                if not core.is_alive():
+                    log.critical("%s (pid %d) exited with code %s; stopping the server", core.name, core.pid,
+                                 core.exitcode)
+                    return EXIT_GAVE_UP
             for s in dead:
                 if not self._replace(s):
                     return EXIT_GAVE_UP
@@ -270,7 +289,7 @@ class _ApiServers:
         s.serving = False
         ready, ready_child = self.ctx.Pipe(duplex=False)
         proc = self.ctx.Process(target=api_server_main, name=s.name,
-                                args=(self.config, self.info, self.address, s.index, s.generation, sockets,
+                                args=(self.config, self.infos, self.addresses, s.index, s.generation, sockets,
                                       ready_child))
         try:
             proc.start()
@@ -303,7 +322,8 @@ class _ApiServers:
             s.ready.close()
         s.proc, s.ready, s.serving = None, None, False
         multiprocess.mark_process_dead(dead.pid, self.metrics_dir)  # its live gauges leave the sums
-        self._core.send(wire.encoder.encode(wire.Gone(routing_id(s.index, s.generation))))
+        for core in self._cores:
+            core.send(wire.encoder.encode(wire.Gone(routing_id(s.index, s.generation))))
         how = _ended(dead.exitcode)
         if served:
             if not s.budget.spend():
@@ -337,10 +357,10 @@ def _ordinal(n: int) -> str:
     return "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
 
 
-def _stop(procs: list[BaseProcess]) -> None:
-    """API servers first (SIGTERM: they drain through the core), then the core (`STOP_CORE`); SIGKILL after
+def _stop(cores: list[BaseProcess], apis: list[BaseProcess]) -> None:
+    """API servers first (SIGTERM: they drain through the cores), then the cores (`STOP_CORE`); SIGKILL after
     `STOP_TIMEOUT_S`."""
-    for group, stop_signal in ((procs[1:], signal.SIGTERM), (procs[:1], STOP_CORE)):
+    for group, stop_signal in ((apis, signal.SIGTERM), (cores, STOP_CORE)):
         for p in group:
             if p.is_alive() and p.pid is not None:
                 os.kill(p.pid, stop_signal)
@@ -381,19 +401,20 @@ class _environ:
                 os.environ[k] = v
 
 
-def _core_main(config: ServerConfig, address: str, ready: Connection) -> None:
-    """The engine core process."""
+def _core_main(config: ServerConfig, index: int, address: str, ready: Connection) -> None:
+    """The engine core process of served model `index`."""
     from wde.core.engine_core import EngineCore
     from wde.engine import Engine
     from wde.errors import ModelLoadError
     from wde.server.app import _log_to_stderr
     from wde.server.metrics import ServerMetrics
+    from wde.server.model_config import name_table
 
     launcher = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _log_to_stderr(config.log_level)
     try:
-        engine = Engine.from_workflow(**config.engine_args())
+        engine = Engine.from_workflow(**config.engine_args(index))
     except ModelLoadError as e:  # the launcher raises it again: `wde serve` prints it and exits 1
         log.debug("the engine core could not load the model", exc_info=True)
         ready.send(("refused", str(e)))
@@ -402,7 +423,10 @@ def _core_main(config: ServerConfig, address: str, ready: Connection) -> None:
         log.debug("the engine core failed to start", exc_info=True)
         ready.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from None
-    metrics = ServerMetrics()
+    metrics = ServerMetrics().for_model(name_table(config.served_models())[index][0])
+    metrics.on_weights(engine.components["model"])
+    if engine.info.token_budget is not None:
+        metrics.token_budget.set(engine.info.token_budget)
     engine.on_batch = metrics.on_batch
     with engine:
         core = EngineCore(engine, address, on_step=lambda c: metrics.on_core_step(

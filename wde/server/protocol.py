@@ -63,6 +63,9 @@ class EmbeddingOptions(PromptTruncation, RequestOptions):
     """Extension: truncate over-long inputs instead of rejecting them."""
     prompt_name: str | None = None
     """Extension: a named instruction prefix of the model (e.g. "query"); texts only."""
+    task: str | None = None
+    """Jina's: what the inputs are for ("retrieval.query", "retrieval.passage"...), the model's `task` option
+    (Service.jina_task); refused by name for a model that takes none, rather than ignored."""
 
 
 class EmbeddingRequest(EmbeddingOptions):
@@ -129,6 +132,9 @@ class PoolingRequest(PromptTruncation, RequestOptions):
     input_type: Literal["query", "document"] | None = None
     """Whether the inputs are queries or documents, for a model whose workflow takes the `task` option (late
     interaction: `options.task`); refused by name where it takes none."""
+    modality: Literal["text", "image"] | None = None
+    """Infinity's, as on /embeddings: "image" makes every `input` an image URL or data:image URI (a page-image
+    model's token vectors: wde/server/image_sides.py)."""
     encoding_format: Literal["float", "base64"] = "float"
     """base64: each output's bytes (`wde.server.responses.encode_array`: row-major, `embed_dtype`, `endianness`)
     with its `shape` beside them; vLLM's `bytes` (a binary body) is refused by name."""
@@ -178,7 +184,13 @@ class TeiRerankRequest(Body):
     _direction = field_validator("truncation_direction", mode="before")(_direction)
 
 
-ScoreSide = Union[str, list[str]]
+class ScoreContent(Body):
+    """vLLM's multimodal score side (`ScoreMultiModalParam`): each image_url part is one input of the side."""
+
+    content: list[ContentPart]
+
+
+ScoreSide = Union[str, list[str], ScoreContent]
 
 
 class ScoreRequest(PromptTruncation):

@@ -21,7 +21,7 @@ from wde.request import PoolingParams
 from wde.server.protocol import (CohereRerankRequest, Document, RerankRequest, TeiRerankRequest, body_schema, parse,
                                  read_json)
 from wde.server.responses import JSONResponse
-from wde.server.service import Result, Service
+from wde.server.service import Result, Service, model_service
 
 router = APIRouter()
 
@@ -80,25 +80,23 @@ def answer_shape(request: Request, raw: Any, tei: bool = False) -> Shape:
 async def rerank_body(request: Request, raw: Any, tei: bool = False) -> JSONResponse:
     """Rerank a parsed JSON body in the shape `answer_shape` picks: TEI's with `texts` (or, when `tei`, with neither
     `texts` nor `documents`: TEI's root route names what is missing in TEI's shape), else with `documents`."""
-    svc: Service = request.app.state.service
     shape = answer_shape(request, raw, tei)
-    if shape == "tei":
+    if shape == "tei":  # TEI's body names no model: `?model=`, else the default one
         request.state.error_style = "tei"
-        return await _tei_rerank(svc, request, parse(TeiRerankRequest, raw))
+        return await _tei_rerank(model_service(request), request, parse(TeiRerankRequest, raw))
+    request.state.error_style = "tei" if shape == "elastic" else "openai"
+    body = parse(RerankRequest, raw)
+    svc = model_service(request, body.model)
     if shape == "elastic":
-        request.state.error_style = "tei"
-        return await _documents_as_tei(svc, request, parse(RerankRequest, raw))
-    request.state.error_style = "openai"
-    return await _documents_rerank(svc, request, parse(RerankRequest, raw), truncate=False,
-                                   flat_documents=shape == "infinity")
+        return await _documents_as_tei(svc, request, body)
+    return await _documents_rerank(svc, request, body, truncate=False, flat_documents=shape == "infinity")
 
 
 @router.post("/v2/rerank", openapi_extra=body_schema(CohereRerankRequest))
 async def rerank_v2(request: Request) -> JSONResponse:
     """Cohere v2 (and vLLM's /v2/rerank): the /v1/rerank answer plus Cohere's `meta`."""
-    svc: Service = request.app.state.service
     body = parse(CohereRerankRequest, await read_json(request))
-    svc.check_model(body.model)
+    svc = model_service(request, body.model)
     svc.scorer("/v2/rerank")
     cap = body.max_tokens_per_doc
     svc.check_token_cap(cap, "max_tokens_per_doc", " per (query, document) pair")
@@ -108,9 +106,8 @@ async def rerank_v2(request: Request) -> JSONResponse:
 
 async def _rank_documents(svc: Service, request: Request, body: RerankRequest,
                           truncate: bool) -> tuple[list[str], list[tuple[int, float]], Any]:
-    """A `documents` body scored: its documents as texts, the best `top_n` (index, score) first, and the result
-    (tokens, headers); what both its answer shapes are made of."""
-    svc.check_model(body.model)
+    """A `documents` body scored by `svc` (the model it names): its documents as texts, the best `top_n`
+    (index, score) first, and the result (tokens, headers); what both its answer shapes are made of."""
     docs = [d.text if isinstance(d, Document) else d for d in body.documents]
     params = PoolingParams(truncate=body.truncate or truncate, activation=False if body.raw_scores else None)
     ranked, result = await _scores(svc, request, body.query, docs, params, "documents")

@@ -11,10 +11,11 @@ from fastapi import APIRouter, Request
 
 from wde.request import PoolingParams
 from wde.server.errors import ApiError
+from wde.server.image_sides import score_images
 from wde.server.protocol import (ClassifyRequest, InfinityClassifyRequest, ScoreRequest, body_schema, item_names, parse,
                                  read_json)
 from wde.server.responses import JSONResponse
-from wde.server.service import Service
+from wde.server.service import model_service
 from wde.server.truncation import truncation
 
 router = APIRouter()
@@ -68,11 +69,11 @@ def _pairs(body: ScoreRequest, sides: tuple[str, str]) -> tuple[list[tuple[str, 
 async def score(request: Request) -> JSONResponse:
     """Each pair scored by the workflow's scorer: a cross-encoder scores the pair, an embedder answers with the
     cosine similarity of the two texts, a multi-vector model with their MaxSim (the first text as the query)."""
-    svc: Service = request.app.state.service
     body = parse(ScoreRequest, await read_json(request))
-    svc.check_model(body.model)
+    svc = model_service(request, body.model)
     svc.scorer("/score")
     sides = _sides(body)
+    body, images = await score_images(svc, request, body, sides)
     pairs, names = _pairs(body, sides)
     if body.raw_scores and body.use_activation:
         raise ApiError("validation", "raw_scores: true and use_activation: true contradict each other; send one",
@@ -80,7 +81,7 @@ async def score(request: Request) -> JSONResponse:
     cut = truncation(body, svc.info.max_length, body.truncate)
     raw = body.raw_scores or body.use_activation is False
     scored, result = await svc.score(request, pairs, PoolingParams(**cut, activation=False if raw else None),
-                                     sides[1], names)
+                                     sides[1], names, images=images)
     scores = scored.tolist()
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
     usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
@@ -91,12 +92,11 @@ async def score(request: Request) -> JSONResponse:
 @router.post("/classify", openapi_extra=body_schema(ClassifyRequest, InfinityClassifyRequest))
 @router.post("/v1/classify", openapi_extra=body_schema(ClassifyRequest, InfinityClassifyRequest))
 async def classify(request: Request) -> JSONResponse:
-    svc: Service = request.app.state.service
     raw = await read_json(request)
     if isinstance(raw, dict) and "raw_scores" in raw:  # infinity_client always sends it; vLLM has no such field
-        return await _infinity_classify(svc, request, parse(InfinityClassifyRequest, raw))
+        return await _infinity_classify(request, parse(InfinityClassifyRequest, raw))
     body = parse(ClassifyRequest, raw)
-    svc.check_model(body.model)
+    svc = model_service(request, body.model)
     svc.require("probs", request.url.path)
     inputs = [body.input] if isinstance(body.input, str) else body.input
     result = await svc.run(request, inputs, PoolingParams(truncate=body.truncate, outputs=("probs",)), "input",
@@ -113,9 +113,9 @@ async def classify(request: Request) -> JSONResponse:
                          "model": svc.model_name, "data": data, "usage": usage}, headers=result.headers)
 
 
-async def _infinity_classify(svc: Service, request: Request, body: InfinityClassifyRequest) -> JSONResponse:
+async def _infinity_classify(request: Request, body: InfinityClassifyRequest) -> JSONResponse:
     """Infinity's answer: per input, every label with its score, best first; `raw_scores` gives logits."""
-    svc.check_model(body.model)
+    svc = model_service(request, body.model)
     svc.require("probs", request.url.path)
     inputs = [body.input] if isinstance(body.input, str) else body.input
     params = PoolingParams(truncate=body.truncate, activation=False if body.raw_scores else None, outputs=("probs",))

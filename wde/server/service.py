@@ -9,7 +9,6 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
@@ -21,12 +20,12 @@ from wde.components.scorer import Scorer, scoring_plan
 from wde.core.client import CoreClient
 from wde.engine_info import EngineInfo
 from wde.errors import RequestError
-from wde.model_source import DEFAULT_MODEL
 from wde.request import PoolingParams, RequestOutput
 from wde.server.config import ServerConfig
 from wde.server.errors import ApiError, ErrorKind, request_id
 from wde.server.image_fetch import FetchLimits, ImageFetcher
 from wde.server.metrics import ServerMetrics
+from wde.server.model_config import ModelConfig, name_table, public_name
 from wde.server.startup import StartupError
 
 _NEEDS = {
@@ -49,6 +48,9 @@ TOKEN_IDS_REFUSED = (
 _KIND: dict[str, ErrorKind] = {"empty": "empty", "encoding": "bad_text", "too_long": "too_long",
                                "bad_image": "bad_image", "image_too_large": "image_too_large"}
 """RequestError kinds → API error kinds (anything else the input caused is "validation")."""
+
+JINA_TASKS = {"retrieval.query": "query", "retrieval.passage": "document"}
+"""Jina's embedding tasks → the `task` option values of WDE's query/document workflows (multi_vector)."""
 
 T = TypeVar("T")
 
@@ -97,11 +99,18 @@ class Result:
 
 
 class Service:
-    def __init__(self, engine: AsyncEngine | CoreClient, config: ServerConfig, metrics: ServerMetrics) -> None:
+    """One served model behind the API: its engine, its names, and the server's limits (`config`)."""
+
+    def __init__(self, engine: AsyncEngine | CoreClient, config: ServerConfig, metrics: ServerMetrics,
+                 index: int = 0) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
-        self.model_names = served_names(config)
+        self.model_metrics = metrics.for_model(name_table(config.served_models())[index][0])
+        """The engine's series of `metrics`, labelled with this model."""
+        self.served: ModelConfig = config.served_models()[index]
+        """What `wde serve` was told about this model (its --model, --workflow, names, overrides)."""
+        self.model_names = name_table(config.served_models())[index]
         """What requests may call the model (aliases included); responses show the first."""
         self.model_name = self.model_names[0]
         """What responses call the model: never a local path (a model folder is named by its last component)."""
@@ -143,6 +152,25 @@ class Service:
             raise ApiError("validation", f"{field} {task!r} and options.task {options['task']!r} contradict each"
                            " other; send one", field)
         return {**(options or {}), "task": task}
+
+    def jina_task(self, task: str | None, options: dict[str, str] | None) -> dict[str, str] | None:
+        """A Jina body's `task` as the model's `task` option (with the body's `options`): the value itself where
+        the workflow takes it, else Jina's retrieval.query / retrieval.passage as query / document (the
+        multi-vector workflows' values). A model that takes no task option would embed the input as it embeds
+        any, silently the wrong vectors: refused by name, as is a task it does not take."""
+        if task is None:
+            return options
+        values = self.info.options.get("task")
+        if values is None:
+            raise ApiError("validation", f"task {task!r}: model {self.model_name!r} (workflow {self.info.workflow!r})"
+                           " takes no task option, so it would embed these inputs as any other; leave task out, or"
+                           " send it to a model that takes one", "task")
+        value = task if task in values else JINA_TASKS.get(task)
+        if value not in values:
+            raise ApiError("validation", f"task {task!r} is not a task of model {self.model_name!r}; it takes"
+                           f" {', '.join(values)} (Jina's {', '.join(JINA_TASKS)} mean"
+                           f" {', '.join(JINA_TASKS.values())})", "task")
+        return self.options(options, value, "task")
 
     def liveness(self) -> str | None:
         """None while the engine serves; else why not, for /health's 503: the loop stopped or gave up, or it has
@@ -187,16 +215,6 @@ class Service:
             raise ApiError("validation", f"batch size {count} > maximum allowed batch size {limit}"
                            f" ({field} has {count} {unit}; the limit is {limit})", field)
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != UNSET_MODEL and name not in self.model_names:
-            raise self.not_served(name)
-
-    def not_served(self, name: str) -> ApiError:
-        """The 404 for a `model` this server does not serve, naming what it serves (never a local path)."""
-        aliases = ", ".join(repr(n) for n in self.model_names[1:] if _public_name(n) == n)
-        return ApiError("not_found", f"model {name!r} is not served here; this server serves"
-                        f" {self.model_name!r}{f' (also accepted: {aliases})' if aliases else ''}", "model")
-
     def check_token_cap(self, cap: int | None, field: str, unit: str = "") -> None:
         """Refuse a client's token cap (Cohere's max_tokens...) below the model's limit: WDE truncates only to it."""
         limit = self.info.max_length
@@ -224,17 +242,18 @@ class Service:
         return scorer
 
     async def score(self, request: Request, pairs: Sequence[tuple[Any, Any]], params: PoolingParams, field: str,
-                    names: Sequence[tuple[str, str]]) -> tuple[np.ndarray, Result]:
+                    names: Sequence[tuple[str, str]], images: bool = False) -> tuple[np.ndarray, Result]:
         """Score (query, document) `pairs` with the workflow's scorer (`scorer`, which the route checked): a pair
         scorer runs each pair, an embedding scorer each distinct query and document once (`scoring_plan`).
-        `params` are the route's (truncation, activation); `names` name each pair's two sides in errors."""
+        `params` are the route's (truncation, activation); `names` name each pair's two sides in errors;
+        `images`: the route resolved image inputs (`run`'s)."""
         try:
             plan = scoring_plan(self.info.scorer, pairs, params)
         except RequestError as e:
             raise api_error(e) from None
         pair = self.info.scorer.pairs
         run_names = [names[i] if pair else names[i][side] for i, side in plan.origins]
-        result = await self.run(request, plan.inputs, plan.params, field, run_names)
+        result = await self.run(request, plan.inputs, plan.params, field, run_names, images=images)
         return plan.scores([o.outputs for o in result.outputs]), result
 
     def labels(self) -> list[str]:
@@ -276,7 +295,7 @@ class Service:
         except EngineOverloaded as e:
             raise ApiError("overloaded", str(e)) from None
         except EngineTimeout as e:
-            self.metrics.timeouts.inc()
+            self.model_metrics.timeouts.inc()
             log.warning("request %s: no answer within the request timeout of %g s; its inputs were aborted, answered"
                         " 503 (the engine last finished a step %.1f s ago)", rid, timeout,
                         self.engine.seconds_since_step)
@@ -295,7 +314,7 @@ class Service:
         if internal:
             raise ApiError("backend", f"internal error while serving this request (request id {rid}); the server log"
                            " has the details")
-        self.metrics.on_outputs(outputs)
+        self.model_metrics.on_outputs(outputs)
         return Result(outputs, _timing_headers(outputs, start, inputs))
 
     @property
@@ -352,17 +371,63 @@ def is_token_ids(item: Any) -> bool:
     return isinstance(item, list) and bool(item) and all(isinstance(x, int) and not isinstance(x, bool) for x in item)
 
 
-def served_names(config: ServerConfig) -> tuple[str, ...]:
-    """What requests may call the served model (aliases included), the name responses show first."""
-    return config.model_names(_public_name(config.model) or DEFAULT_MODEL)
+class ServedModels:
+    """Every model a server serves, each a `Service`, by every name requests may call it (`ModelConfig.names`);
+    the first is the default, which answers a request that names no model.
 
+    `pick` is where a request's `model` becomes what serves it; a served name that selects a LoRA adapter of a
+    model would map here to (that model's Service, the adapter), for the engine to apply per request."""
 
-def _public_name(model: str | None) -> str | None:
-    """A model argument fit to show clients: a hub id as given, a local folder by its name alone."""
-    if model is None:
+    def __init__(self, services: Sequence[Service]) -> None:
+        self.services = tuple(services)
+        self.default = self.services[0]
+        self.by_name: dict[str, Service] = {n: svc for svc in self.services for n in svc.model_names}
+
+    def pick(self, name: str | None) -> Service:
+        """The service of the model called `name` (the default where it is None, or infinity_client's "not
+        specified"); the 404 naming the served models for a name no model has."""
+        if name is None or name == UNSET_MODEL:
+            return self.default
+        found = self.by_name.get(name)
+        if found is None:
+            raise self.not_served(name)
+        return found
+
+    def not_served(self, name: str) -> ApiError:
+        """The 404 for a `model` this server does not serve, naming what it serves (never a local path)."""
+        served = []
+        for svc in self.services:
+            aliases = ", ".join(repr(n) for n in svc.model_names[1:] if public_name(n) == n)
+            served.append(f"{svc.model_name!r}{f' (also accepted: {aliases})' if aliases else ''}")
+        return ApiError("not_found", f"model {name!r} is not served here; this server serves {'; '.join(served)}",
+                        "model")
+
+    def liveness(self) -> str | None:
+        """None while every model's engine serves; else why one does not (naming it where there are several)."""
+        for svc in self.services:
+            problem = svc.liveness()
+            if problem is not None:
+                return problem if len(self.services) == 1 else f"model {svc.model_name!r}: {problem}"
         return None
-    path = Path(model).expanduser()
-    return path.name if path.is_absolute() or path.exists() or model.startswith(".") else model
+
+
+MODEL_QUERY = "model"
+"""The query parameter that names the model of a request whose body has no `model` field (TEI's routes, /vertex,
+Weaviate's): `POST /rerank?model=reranker`."""
+
+
+def model_service(request: Request, name: str | None = None) -> Service:
+    """The service of the model a request names: `name`, its body's `model` field, else the `?model=` query
+    parameter, else the server's default (first) model. Both given and naming different models is a 422."""
+    models: ServedModels = request.app.state.models
+    query = request.query_params.get(MODEL_QUERY)
+    if name is None or name == UNSET_MODEL:
+        return models.pick(query)
+    picked = models.pick(name)
+    if query is not None and models.pick(query) is not picked:
+        raise ApiError("validation", f"model {name!r} and the query parameter ?model={query} name different"
+                       " models; name one", "model")
+    return picked
 
 
 def _name_of(name: str | tuple[str, str], error_field: str | None) -> str:

@@ -11,7 +11,7 @@ import errno
 import os
 import socket
 import tempfile
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from wde.engine_info import EngineInfo
@@ -23,17 +23,22 @@ def address(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def startup_line(config: ServerConfig, info: EngineInfo, model_names: tuple[str, ...], api_servers: int = 0) -> str:
+def startup_line(config: ServerConfig, info: EngineInfo, model_names: tuple[str, ...], api_servers: int = 0,
+                 others: Sequence[tuple[EngineInfo, tuple[str, ...]]] = ()) -> str:
     """`serving <model> (API names: ...) with workflow <w> on <device> (<dtype>) at http://host:port`, where TEI's
     gRPC API listens too (`--grpc-port`), and how many API-server processes front the engine core when it runs in
-    its own process."""
-    model = config.model or model_names[0]
-    names = ", ".join(model_names)
+    its own process. `others`: the (info, names) of the second and further models of a server of several, each
+    listed after the first (`, model <m> (API names: ...) with workflow ...`)."""
+    models = config.served_models()
+    served = []
+    for i, (each, names) in enumerate(((info, model_names), *others)):
+        model = models[i].model if i < len(models) and models[i].model else names[0]
+        served.append(f"model {model} (API names: {', '.join(names)}) with workflow {each.workflow} on"
+                      f" {each.device} ({each.dtype})")
     grpc = "" if config.grpc_port is None else \
         f" and TEI's gRPC API at {address(config.host, config.grpc_port).removeprefix('http://')}"
     split = f" through {api_servers} API-server processes" if api_servers else ""
-    return (f"serving model {model} (API names: {names}) with workflow {info.workflow} on {info.device}"
-            f" ({info.dtype}) at {address(config.host, config.port)}{grpc}{split}")
+    return f"serving {', '.join(served)} at {address(config.host, config.port)}{grpc}{split}"
 
 
 class StartupError(Exception):

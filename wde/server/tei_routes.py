@@ -27,13 +27,15 @@ from wde.server.protocol import (TeiDecodeRequest, TeiEmbedAllRequest, TeiEmbedR
 from wde.server.quantize import quantize_rows, to_base64
 from wde.server.rerank_routes import rerank_body
 from wde.server.responses import JSONResponse
-from wde.server.service import Service
+from wde.server.service import Service, model_service
 
 router = APIRouter()
 
 
 def service(request: Request) -> Service:
-    return request.app.state.service
+    """The model a TEI route serves: TEI's bodies name none, so the one `?model=NAME` names, else the server's
+    default (its first) model."""
+    return model_service(request)
 
 
 @router.post("/embed", openapi_extra=body_schema(TeiEmbedRequest))
@@ -286,11 +288,10 @@ async def tokenize(request: Request) -> JSONResponse:
     """Each text's tokens with their character offsets; at most `TOKENIZE_MAX_TOKENS` tokens per request.
 
     vLLM's body (`prompt`) on the same path gets vLLM's answer (wde/server/vllm_tokenize.py)."""
-    svc = service(request)
     raw = await read_json(request)
     if vllm_tokenize.is_vllm_body(raw):
-        return await vllm_tokenize.tokenize(request, svc, raw, max(TOKENIZE_MAX_TOKENS, svc.info.max_length))
-    return JSONResponse(await tei_tokens(svc, raw))
+        return await vllm_tokenize.tokenize(request, raw, TOKENIZE_MAX_TOKENS)
+    return JSONResponse(await tei_tokens(service(request), raw))
 
 
 async def tei_tokens(svc: Service, raw: Any) -> list[list[dict]]:
@@ -321,7 +322,7 @@ async def tei_tokens(svc: Service, raw: Any) -> list[list[dict]]:
 @router.post("/detokenize", openapi_extra=body_schema(VllmDetokenizeRequest))
 async def detokenize(request: Request) -> JSONResponse:
     """vLLM's /detokenize (TEI's is /decode)."""
-    return await vllm_tokenize.detokenize(service(request), await read_json(request))
+    return await vllm_tokenize.detokenize(request, await read_json(request))
 
 
 def _tokens(component: Any, texts: list[str], add_special_tokens: bool, limit: int) -> list[list[dict]]:
@@ -356,7 +357,13 @@ def _model_type(svc: Service) -> dict:
 
 @router.get("/info")
 async def info(request: Request) -> JSONResponse:
-    return JSONResponse(info_content(service(request)))
+    """TEI's /info of the default model (or the one `?model=` names); a server of several models lists each
+    one's under `models` (an extension)."""
+    content = info_content(service(request))
+    services = request.app.state.models.services
+    if len(services) > 1:
+        content["models"] = [info_content(svc) for svc in services]
+    return JSONResponse(content)
 
 
 def info_content(svc: Service) -> dict[str, Any]:
@@ -389,8 +396,9 @@ def info_content(svc: Service) -> dict[str, Any]:
 @router.get("/")  # TEI's "Inference API health route"
 async def health(request: Request) -> JSONResponse:
     """200 with Infinity's `{"unix": time}` (TEI's clients read only the status) while the engine runs and steps;
-    503 once it stopped, or has not finished a step for longer than --stall-timeout (`Service.liveness`)."""
-    problem = service(request).liveness()
+    503 once it stopped, or has not finished a step for longer than --stall-timeout (`Service.liveness`): every
+    served model's engine (`ServedModels.liveness`)."""
+    problem = request.app.state.models.liveness()
     if problem is not None:
         return error_response(ApiError("unhealthy", problem), "tei")
     return JSONResponse({"unix": time.time()})

@@ -14,7 +14,7 @@ from fastapi import Request
 from wde.server.errors import ApiError
 from wde.server.protocol import VllmDetokenizeRequest, VllmTokenizeRequest, parse
 from wde.server.responses import JSONResponse
-from wde.server.service import Service
+from wde.server.service import model_service
 
 VLLM_KEYS = ("prompt", "messages")
 """Body keys that mark vLLM's /tokenize; TEI's is `inputs`."""
@@ -32,15 +32,17 @@ def is_vllm_body(raw: Any) -> bool:
     return bool(vllm)
 
 
-async def tokenize(request: Request, svc: Service, raw: dict[str, Any], limit: int) -> JSONResponse:
-    """vLLM's answer: `{count, max_model_len, tokens, token_strs}` for one prompt, at most `limit` tokens."""
+async def tokenize(request: Request, raw: dict[str, Any], limit: int) -> JSONResponse:
+    """vLLM's answer: `{count, max_model_len, tokens, token_strs}` for one prompt of the model the body names, at
+    most `limit` tokens (or the model's own limit, where it is higher)."""
     request.state.error_style = "openai"
     if "messages" in raw:
         raise ApiError("validation", "messages (vLLM's chat /tokenize) is not supported: it renders the messages"
                        " through a chat template, which WDE's prefill-only models do not have; send the text as"
                        " `prompt`", "messages")
     body = parse(VllmTokenizeRequest, raw)
-    svc.check_model(body.model)
+    svc = model_service(request, body.model)
+    limit = max(limit, svc.info.max_length)
     component = svc.hf_tokenizer()
     svc.check_texts([body.prompt], ["prompt"])
     ids, strs = await svc.off_loop(_encode, component, body.prompt, body.add_special_tokens,
@@ -59,10 +61,11 @@ def _encode(component: Any, prompt: str, add_special_tokens: bool, strs: bool) -
     return ids, tokenizer.convert_ids_to_tokens(ids) if strs else None
 
 
-async def detokenize(svc: Service, raw: Any) -> JSONResponse:
-    """vLLM's `{"tokens": [...]}` to `{"prompt": text}`, decoded as vLLM does (special tokens kept)."""
+async def detokenize(request: Request, raw: Any) -> JSONResponse:
+    """vLLM's `{"tokens": [...]}` to `{"prompt": text}`, decoded as vLLM does (special tokens kept), by the model
+    the body names."""
     body = parse(VllmDetokenizeRequest, raw)
-    svc.check_model(body.model)
+    svc = model_service(request, body.model)
     svc.hf_tokenizer()  # 'unsupported' before 'empty', as /tokenize refuses
     if not body.tokens:
         raise ApiError("empty", "tokens is empty: send at least one token id", "tokens")

@@ -36,7 +36,7 @@ from wde.request import PoolingParams
 from wde.server.errors import ApiError
 from wde.server.protocol import Body, body_schema, parse, read_json
 from wde.server.responses import JSONResponse
-from wde.server.service import Service
+from wde.server.service import Service, model_service
 
 router = APIRouter()
 
@@ -72,7 +72,7 @@ class VectorsInput(Body):
 
 def _service(request: Request) -> Service:
     request.state.error_style = "tei"  # {"error": "..."}: the string Weaviate's client reads
-    return request.app.state.service
+    return model_service(request)  # Weaviate's bodies name no model: `?model=`, else the default one
 
 
 @router.get("/.well-known/live", status_code=204)
@@ -84,7 +84,8 @@ async def live(request: Request) -> Response:
 @router.get("/.well-known/ready", status_code=204)
 async def ready(request: Request) -> Response:
     """204 while the engine serves, else 503 saying why (/health's check): Weaviate waits until it is 2xx."""
-    problem = _service(request).liveness()
+    _service(request)
+    problem = request.app.state.models.liveness()
     if problem is not None:
         raise ApiError("unhealthy", problem)
     return Response(status_code=204)
@@ -148,7 +149,7 @@ def model_folder(svc: Service) -> Path:
     """The served model's folder: the in-process engine's own, else (an API server of a split engine) the one
     `wde serve --model` resolves to, as the engine core did."""
     source = getattr(getattr(svc.engine, "engine", None), "source", None)
-    return source.path if source is not None else resolve_model_path(svc.config.model)
+    return source.path if source is not None else resolve_model_path(svc.served.model)
 
 
 @lru_cache(maxsize=4)

@@ -1,0 +1,288 @@
+"""Several models behind one `wde serve` (wde/server/model_config.py, `ServedModels` in wde/server/service.py):
+an embedder and a reranker in one process and in split mode, each route answering for the model its request
+names, a 404 naming the served ones, start-up refusals of mismatched options in one line, the YAML serve config,
+per-model /metrics series, and Jina's `task` refused by name where the model takes no task option."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from tests import tiny_models
+from tests.test_server import REPO, free_port, metric, serve, stop_server, wait_healthy
+from wde import Engine
+from wde.server import ServerConfig
+from wde.server.model_config import ModelConfig, from_options, load_serve_config, name_table, with_overrides
+from wde.server.startup import StartupError
+
+TOL = 1e-4
+TEXTS = ["A man is eating food.", "The new movie is awesome", "Berlin has 3.5 million people.", "hello"]
+QUERY = "how many people live in berlin"
+DOCS = ["Berlin has a population of 3.5 million.", "The cat sat on the mat.", "Paris is in France."]
+
+
+@pytest.fixture(scope="module")
+def reranker_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random BERT cross-encoder (one logit), as sentence-transformers' CrossEncoder loads it."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    out = tmp_path_factory.mktemp("tiny-reranker")
+    torch.manual_seed(0)
+    tok = tiny_models.bert_tokenizer()
+    cfg = BertConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=512, num_labels=1)
+    BertForSequenceClassification(cfg).eval().save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(minilm_path: Path, reranker_path: Path) -> dict[str, np.ndarray]:
+    """The reference library's answers: MiniLM's sentence-transformers vectors, the CrossEncoder's scores."""
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    vectors = SentenceTransformer(str(minilm_path), device="cpu").encode(TEXTS, convert_to_numpy=True)
+    scores = CrossEncoder(str(reranker_path), device="cpu").predict([(QUERY, d) for d in DOCS])
+    return {"vectors": np.asarray(vectors), "scores": np.asarray(scores)}
+
+
+MODELS = (ModelConfig(served_model_name="embedder"), ModelConfig(served_model_name="reranker"))
+
+
+@pytest.fixture(scope="module")
+def two(minilm_path: Path, reranker_path: Path) -> Iterator[str]:
+    """MiniLM (`embedder`, the default) and the tiny reranker (`reranker`) in one process."""
+    models = (ModelConfig(str(minilm_path), "bert", "embedder"), ModelConfig(str(reranker_path), None, "reranker"))
+    with Engine.from_workflow("bert", minilm_path) as embedder, Engine.from_workflow(None, reranker_path) as ranker, \
+            serve([embedder, ranker], models=models) as (url, _):  # type: ignore[arg-type]
+        yield url
+
+
+def _rerank_scores(answer: dict) -> np.ndarray:
+    return np.array([r["relevance_score"] for r in sorted(answer["results"], key=lambda r: r["index"])])
+
+
+def test_each_route_answers_for_the_model_its_request_names(two: str, expected: dict[str, np.ndarray]) -> None:
+    url = two
+    got = httpx.post(f"{url}/v1/embeddings", json={"model": "embedder", "input": TEXTS})
+    assert got.status_code == 200 and got.json()["model"] == "embedder"
+    vectors = np.array([d["embedding"] for d in got.json()["data"]])
+    assert np.abs(vectors - expected["vectors"]).max() <= TOL
+    default = httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS}).json()  # no model: the first listed
+    assert default["model"] == "embedder"
+
+    ranked = httpx.post(f"{url}/v1/rerank", json={"model": "reranker", "query": QUERY, "documents": DOCS})
+    assert ranked.status_code == 200 and ranked.json()["model"] == "reranker"
+    assert np.abs(_rerank_scores(ranked.json()) - expected["scores"]).max() <= TOL
+    v2 = httpx.post(f"{url}/v2/rerank", json={"model": "reranker", "query": QUERY, "documents": DOCS}).json()
+    assert np.abs(_rerank_scores(v2) - expected["scores"]).max() <= TOL
+    # the embedder scores too (cosine): the same body naming it is answered by it, not by the reranker
+    cosine = httpx.post(f"{url}/v1/rerank", json={"model": "embedder", "query": QUERY, "documents": DOCS}).json()
+    assert cosine["model"] == "embedder" and np.abs(_rerank_scores(cosine) - expected["scores"]).max() > 1e-3
+    scored = httpx.post(f"{url}/score", json={"model": "reranker", "text_1": QUERY, "text_2": DOCS}).json()
+    assert np.abs(np.array([d["score"] for d in scored["data"]]) - expected["scores"]).max() <= TOL
+
+    # TEI's bodies name no model: ?model= picks one, else the default answers
+    tei = httpx.post(f"{url}/rerank?model=reranker", json={"query": QUERY, "texts": DOCS}).json()
+    assert np.abs(np.array([r["score"] for r in sorted(tei, key=lambda r: r["index"])])
+                  - expected["scores"]).max() <= TOL
+    embedded = np.array(httpx.post(f"{url}/embed", json={"inputs": TEXTS}).json())
+    assert np.abs(embedded - expected["vectors"]).max() <= TOL
+    refused = httpx.post(f"{url}/embed?model=reranker", json={"inputs": TEXTS})
+    assert refused.status_code == 424  # the reranker makes no vectors: its own refusal, not the embedder's answer
+
+    # vLLM's /tokenize by the model the body names (the two tokenizers differ)
+    minilm = httpx.post(f"{url}/tokenize", json={"model": "embedder", "prompt": "hello world"}).json()
+    tiny = httpx.post(f"{url}/tokenize", json={"model": "reranker", "prompt": "hello world"}).json()
+    assert minilm["max_model_len"] == 256 and tiny["max_model_len"] != 256
+
+
+def test_a_model_not_served_is_a_404_naming_the_served_ones(two: str) -> None:
+    for path, body in (("/v1/embeddings", {"model": "nope", "input": "x"}),
+                       ("/v1/rerank", {"model": "nope", "query": QUERY, "documents": DOCS}),
+                       ("/v2/embed", {"model": "nope", "texts": ["x"], "input_type": "search_query",
+                                      "embedding_types": ["float"]}),
+                       ("/score", {"model": "nope", "text_1": "a", "text_2": "b"}),
+                       ("/embed?model=nope", {"inputs": "x"})):
+        got = httpx.post(f"{two}{path}", json=body)
+        assert got.status_code == 404, (path, got.text)
+        assert "'nope'" in got.text and "'embedder'" in got.text and "'reranker'" in got.text, got.text
+    assert httpx.get(f"{two}/v1/models/nope").status_code == 404
+    conflict = httpx.post(f"{two}/v1/rerank?model=embedder", json={"model": "reranker", "query": QUERY,
+                                                                    "documents": DOCS})
+    assert conflict.status_code == 422 and "model" in conflict.text
+
+
+def test_model_lists_name_every_served_model(two: str) -> None:
+    listed = httpx.get(f"{two}/v1/models").json()["data"]
+    assert [m["id"] for m in listed] == ["embedder", "reranker"]
+    assert [m["outputs"][0] for m in listed] == ["dense", "score"]
+    assert httpx.get(f"{two}/v1/models/reranker").json()["id"] == "reranker"
+    infinity = httpx.get(f"{two}/models").json()["data"]
+    assert [(m["id"], m["capabilities"]) for m in infinity] == [("embedder", ["embed"]), ("reranker", ["rerank"])]
+    info = httpx.get(f"{two}/info").json()
+    assert info["model_id"] == "embedder" and [m["model_id"] for m in info["models"]] == ["embedder", "reranker"]
+    assert httpx.get(f"{two}/info?model=reranker").json()["model_id"] == "reranker"
+    assert httpx.get(f"{two}/health").status_code == 200
+
+
+def test_metrics_have_a_series_per_model(two: str) -> None:
+    httpx.post(f"{two}/v1/embeddings", json={"model": "embedder", "input": TEXTS})
+    httpx.post(f"{two}/v1/rerank", json={"model": "reranker", "query": QUERY, "documents": DOCS})
+    for model in ("embedder", "reranker"):
+        assert metric(two, "wde_inputs_total", model=model) > 0
+        assert metric(two, "wde_prompt_tokens_total", model=model) > 0
+        assert metric(two, "wde_engine_healthy", model=model) == 1
+        assert metric(two, "wde_token_budget", model=model) > 0
+    # MiniLM's weights (~90 MB in fp32) against the tiny reranker's (well under 10 MB)
+    assert metric(two, "wde_model_weight_bytes", model="embedder") > 50e6
+    assert 0 < metric(two, "wde_model_weight_bytes", model="reranker") < 10e6
+
+
+def test_jina_task_is_refused_by_name_for_a_model_without_a_task_option(two: str) -> None:
+    body = {"model": "embedder", "input": ["a query"], "task": "retrieval.query"}
+    got = httpx.post(f"{two}/v1/embeddings", json=body)
+    assert got.status_code == 422 and "task" in got.json()["error"]["message"], got.text
+    assert "'retrieval.query'" in got.text
+    late = httpx.post(f"{two}/v1/embeddings", json={**body, "input": ["one chunk", "two"], "late_chunking": True})
+    assert late.status_code == 422 and "task" in late.text
+
+
+def test_jina_task_maps_onto_a_multi_vector_models_task_option(minilm_path: Path,
+                                                               tmp_path_factory: pytest.TempPathFactory) -> None:
+    from tests.test_multi_vector import classic_colbert
+    from wde.server import create_app
+    from wde.server.errors import ApiError
+
+    folder = classic_colbert(minilm_path, tmp_path_factory.mktemp("colbert") / "st")
+    with Engine.from_workflow(None, folder) as engine:
+        svc = create_app(engine, ServerConfig(served_model_name="colbert")).state.service
+        assert svc.jina_task("retrieval.query", None) == {"task": "query"}
+        assert svc.jina_task("retrieval.passage", {"task": "document"}) == {"task": "document"}
+        assert svc.jina_task("query", None) == {"task": "query"}  # the workflow's own value as it is
+        with pytest.raises(ApiError, match="'separation' is not a task of model 'colbert'"):
+            svc.jina_task("separation", None)
+        with pytest.raises(ApiError, match="contradict"):
+            svc.jina_task("retrieval.query", {"task": "document"})
+
+
+# --- configuration: repeated options, scoped overrides, the YAML serve config ------------------------------------
+
+def test_repeated_options_pair_up_in_order_and_mismatches_are_refused() -> None:
+    models = from_options(["a/emb", "b/rr"], ["bert", "cross_encoder"], ["e", "r,rank"],
+                          ["scheduler.params.max_num_requests=8", "r:pooler.name=x"])
+    assert [(m.model, m.workflow, m.served_model_name) for m in models] == [("a/emb", "bert", "e"),
+                                                                            ("b/rr", "cross_encoder", "r,rank")]
+    assert models[0].overrides == ("scheduler.params.max_num_requests=8",)
+    assert models[1].overrides == ("scheduler.params.max_num_requests=8", "pooler.name=x")
+    assert name_table(models) == [("e", "a/emb", "emb"), ("r", "rank", "b/rr", "rr")]
+    with pytest.raises(StartupError, match=r"^3 --model but 2 --workflow: give one --workflow per --model"):
+        from_options(["a", "b", "c"], ["bert", "bert"], [], [])
+    with pytest.raises(StartupError, match=r"^1 --model but 2 --served-model-name"):
+        from_options(["a"], [], ["x", "y"], [])
+    with pytest.raises(StartupError, match="no model is called 'nope'"):
+        from_options(["a", "b"], [], [], ["nope:pooler.name=x"])
+    with pytest.raises(StartupError, match="both called 'm'"):
+        ServerConfig(models=(ModelConfig("x/m", served_model_name="m"), ModelConfig("y/m", served_model_name="m")))
+    # a name one model was given wins over the alias another derived
+    assert name_table((ModelConfig("x/m"), ModelConfig("y/m", served_model_name="m"))) == [("x/m",), ("m", "y/m")]
+    # two folders of one name: each keeps its own hub id; the shared short alias is nobody's
+    assert name_table((ModelConfig("org1/m"), ModelConfig("org2/m"))) == [("org1/m",), ("org2/m",)]
+    with pytest.raises(ValueError, match="models lists every served model"):
+        ServerConfig(model="x", models=MODELS)
+
+
+def test_the_yaml_serve_config(tmp_path: Path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("models:\n"
+                      "  - model: /models/emb\n"
+                      "    served_model_name: [embedder, e5]\n"
+                      "    set:\n"
+                      "      scheduler.params.max_num_requests: 8\n"
+                      "  - model: /models/rr\n"
+                      "    workflow: cross_encoder\n"
+                      "    set: ['pooler.params.activation=false']\n")
+    models = with_overrides(load_serve_config(config), ["embedder:model.params.dtype=float32"])
+    assert models == (ModelConfig("/models/emb", None, "embedder,e5", ("scheduler.params.max_num_requests=8",
+                                                                        "model.params.dtype=float32")),
+                      ModelConfig("/models/rr", "cross_encoder", None, ("pooler.params.activation=false",)))
+    bad = {"models:\n  - model: x\n    worklfow: bert\n": f"{config}:3:5: models.0.worklfow: unknown key (did you"
+                                                          " mean 'workflow'?)",
+           "models: []\n": "models: must be a list of at least one model",
+           "model: x\n": f"{config}:1:1: model: unknown key",
+           "models:\n  - workflow: bert\n": "`model` is missing",
+           "models:\n  - model: x\n    set: {a: [1]}\n": "models.0.set.a: must be a single value",
+           "a: &a [*a]\n": "a cycle"}
+    for text, message in bad.items():
+        config.write_text(text)
+        with pytest.raises(StartupError, match=re.escape(message)):
+            load_serve_config(config)
+
+
+def _wde(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "wde.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model", "a", "--model", "b", "--model", "c", "--workflow", "bert", "--workflow", "bert"),
+     "3 --model but 2 --workflow"),
+    (("--served-model-name", "a", "--served-model-name", "b"), "no --model (the default model) but 2"),
+    (("--model", "x/m", "--model", "x/m"), "are both called 'x/m'"),
+    (("--config", "serve.yaml", "--model", "x"), "--model cannot be given beside it"),
+])
+def test_wde_serve_refuses_mismatched_options_in_one_line(args: tuple[str, ...], message: str) -> None:
+    done = _wde(*args, "--port", str(free_port()), "--api-servers", "0")
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], done.stderr
+
+
+# --- split mode: one core per model, every API server a client of each -------------------------------------------
+
+def test_split_server_of_two_models_from_a_serve_config(minilm_path: Path, reranker_path: Path, tmp_path: Path,
+                                                        expected: dict[str, np.ndarray]) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"models:\n  - model: {minilm_path}\n    served_model_name: embedder\n"
+                      f"  - model: {reranker_path}\n    served_model_name: reranker\n")
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "wde.cli", "serve", "--config", str(config), "--port",
+                                 str(port), "--api-servers", "2"], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_healthy(url, lambda: proc.poll() is None, timeout=300)
+        except AssertionError:
+            raise AssertionError(f"the split server did not start:\n{log.read_text()[-3000:]}") from None
+        started = log.read_text()
+        assert "API names: embedder" in started and "API names: reranker" in started and re.search(r"engine core pid \d+ \(embedder\), \d+ \(reranker\)", started), started
+        for _ in range(4):  # over new connections: the kernel spreads them over both API servers
+            with httpx.Client() as client:
+                got = client.post(f"{url}/v1/embeddings", json={"model": "embedder", "input": TEXTS})
+                ranked = client.post(f"{url}/v1/rerank", json={"model": "reranker", "query": QUERY,
+                                                                "documents": DOCS})
+            assert got.status_code == 200 and ranked.status_code == 200, (got.text, ranked.text)
+            vectors = np.array([d["embedding"] for d in got.json()["data"]])
+            assert np.abs(vectors - expected["vectors"]).max() <= TOL
+            assert np.abs(_rerank_scores(ranked.json()) - expected["scores"]).max() <= TOL
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["embedder", "reranker"]
+        assert httpx.post(f"{url}/v1/embeddings", json={"model": "nope", "input": "x"}).status_code == 404
+        for model in ("embedder", "reranker"):
+            assert metric(url, "wde_inputs_total", model=model) >= 4 * min(len(TEXTS), len(DOCS))
+            assert metric(url, "wde_model_weight_bytes", model=model) > 0
+            assert metric(url, "wde_engine_healthy", model=model) == 1
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 0, log.read_text()[-3000:]
