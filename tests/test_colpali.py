@@ -222,3 +222,68 @@ def test_workflow_settings_it_does_not_take_are_refused(folders: dict[str, Path]
                             ("request_processor.params.pad_text=max_length", "pad_text")):
         with pytest.raises(ModelLoadError, match=match):
             Engine.from_workflow(None, folders["colpali"], overrides=[override])
+
+
+# -- HTTP ----------------------------------------------------------------------------------------------------------
+
+
+def data_uri(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+@pytest.fixture(scope="module")
+def url(engines: dict[str, Engine]):
+    with serve(engines["colqwen2"], served_model_name="m") as (base, _):
+        yield base
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60)
+
+
+def test_pooling_token_embed_of_queries_and_pages(url: str, engines: dict[str, Engine]) -> None:
+    engine, images = engines["colqwen2"], pages()[:3]
+    want = engine.encode([*QUERIES[:2], *images])
+    r = post(url, "/pooling", {"model": "m", "input": QUERIES[:2], "task": "token_embed", "input_type": "query"})
+    assert r.status_code == 200, r.text
+    r2 = post(url, "/pooling", {"model": "m", "input": [data_uri(b) for b in images], "modality": "image",
+                                "task": "token_embed", "input_type": "document"})
+    assert r2.status_code == 200, r2.text
+    got = [item["data"] for item in r.json()["data"] + r2.json()["data"]]
+    for g, w in zip(got, want):
+        assert np.abs(np.array(g, dtype=np.float32) - w.outputs["colbert"]).max() <= 1e-5
+    assert r2.json()["usage"]["prompt_tokens"] == sum(w.num_prompt_tokens for w in want[2:])
+    # the other side is refused by name, as in Python
+    r = post(url, "/pooling", {"model": "m", "input": QUERIES[:1], "task": "token_embed", "input_type": "document"})
+    assert r.status_code == 422 and "options.task" in r.text and "texts are queries" in r.text
+    # a page sent as a text is refused: /pooling's input is texts unless modality says images
+    r = post(url, "/pooling", {"model": "m", "input": [data_uri(images[0])], "task": "token_embed"})
+    assert r.status_code == 422 and "data:image/ URI in a field that carries texts" in r.text
+
+
+def test_score_route_scores_a_query_against_pages(url: str, engines: dict[str, Engine]) -> None:
+    engine, images = engines["colqwen2"], pages()
+    want = engine.score([(QUERIES[1], image) for image in images])
+    content = {"content": [{"type": "image_url", "image_url": {"url": data_uri(b)}} for b in images]}
+    for shape in ({"text_1": QUERIES[1], "text_2": content}, {"queries": [QUERIES[1]], "documents": content}):
+        r = post(url, "/v1/score", {"model": "m", **shape})
+        assert r.status_code == 200, r.text
+        got = np.array([d["score"] for d in r.json()["data"]], dtype=np.float32)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    r = post(url, "/v1/score", {"model": "m", "text_1": QUERIES[1],
+                                "text_2": {"content": [{"type": "text", "text": "a page as text"}]}})
+    assert r.status_code == 422 and "text_2.content[0] is a text part" in r.text
+
+
+def test_oversized_page_over_http_names_the_limit(folders: dict[str, Path]) -> None:
+    with Engine.from_workflow(None, folders["colpali"],
+                              overrides=["input_processor.params.max_image_pixels=10000"]) as engine:
+        with serve(engine, served_model_name="m") as (base, _):
+            body = {"model": "m", "input": [data_uri(page_image(120, 100))], "modality": "image",
+                    "task": "token_embed"}
+            r = post(base, "/pooling", body)
+            assert 400 <= r.status_code < 500, r.text
+            assert "max_image_pixels" in r.text and "input[0]" in r.text
+            r = post(base, "/v1/score", {"model": "m", "text_1": QUERIES[0], "text_2": {"content": [
+                {"type": "image_url", "image_url": {"url": data_uri(page_image(120, 100))}}]}})
+            assert 400 <= r.status_code < 500 and "max_image_pixels" in r.text, r.text
