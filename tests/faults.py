@@ -70,13 +70,14 @@ class FaultTokenizer(HFTokenizer):
     name = "fault_hf_tokenizer"
     Params = FaultTokenizerParams
 
-    def encode(self, prompts: Sequence[Any], max_length: int | None = None, direction: Any = "right") -> list:
+    def encode(self, prompts: Sequence[Any], max_length: int | None = None, direction: Any = "right",
+               options: Any = None) -> list:
         texts = [getattr(p, "text", "") + getattr(p, "text_pair", "") for p in prompts]
         if any(self.params.poison in t for t in texts):
             raise InjectedFault("injected fault in the tokenizer")
         if self.params.hold_chars and any(len(t) > self.params.hold_chars for t in texts):
             HOLD.wait(60)
-        return super().encode(prompts, max_length, direction)
+        return super().encode(prompts, max_length, direction, options)
 
 
 class PoisonParams(Params):

@@ -1,8 +1,9 @@
 """Per-request options (`PoolingParams.options`, issue 35's first seam): components declare the options they read
 (`Component.request_options`), the engine takes exactly those, and every request's options reach every component.
 
-The components here are the smallest real consumers: an input processor that prefixes a text by its `task`, and a
-request processor that reads the same option to cap the tokens of a query. Both are registered as a plugin would
+The components here are the smallest real consumers: an input processor that prefixes a text by its `task`, a
+request processor that reads the same option to cap the tokens of a query, and a tokenizer that pads a query (its
+`encode` is given each prompt's options by the request processor, the truncating re-encode included). Both are registered as a plugin would
 register them; the built-in late-interaction workflows are the core's own consumers.
 """
 
@@ -16,6 +17,7 @@ import pytest
 from wde import Engine
 from wde.components.input_processor import TextInputProcessor
 from wde.components.request_processor import LazyTokenizeRequestProcessor
+from wde.components.tokenizer import HFTokenizer
 from wde.core.frontend import Frontend
 from wde.engine import resolve
 from wde.errors import ModelLoadError, RequestError
@@ -63,10 +65,40 @@ class Disagrees(LazyTokenizeRequestProcessor):
         return {"task": ("query", "passage")}
 
 
+PAD_TO = 24
+
+
+class TaskPadTokenizer(HFTokenizer):
+    """Pads a query's tokens to `PAD_TO` with the mask token, as ColBERT's query tokenizer does; records the options
+    each call is given."""
+
+    name = "test_task_pad"
+    seen: list = []
+
+    def request_options(self) -> dict[str, tuple[str, ...]]:
+        return {"task": ("document", "query")}
+
+    def encode(self, prompts, max_length=None, direction="right", options=None):  # noqa: ANN001, ANN201
+        self.seen.append(None if options is None else [dict(o) if o else None for o in options])
+        out = super().encode(prompts, max_length, direction, options)
+        mask = self.hf_tokenizer.mask_token_id
+        return [(ids + [mask] * (PAD_TO - len(ids)), None if types is None else types + [0] * (PAD_TO - len(types)))
+                if (o or {}).get("task") == "query" else (ids, types) for (ids, types), o in zip(out, options)]
+
+
+class NoOptionsTokenizer(HFTokenizer):
+    """A tokenizer written before `encode` took options."""
+
+    name = "test_no_options"
+
+    def encode(self, prompts, max_length=None, direction="right"):  # noqa: ANN001, ANN201
+        return super().encode(prompts, max_length, direction)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def registered() -> None:
     registry = get_registry()
-    for component in (TaskPrefix, QueryCap, Disagrees):
+    for component in (TaskPrefix, QueryCap, Disagrees, TaskPadTokenizer, NoOptionsTokenizer):
         if component.name not in registry.components.get(component.kind, {}):
             registry.add_component(component, plugin="tests.test_request_options")
 
@@ -121,3 +153,31 @@ def test_a_split_api_server_checks_options_as_the_engine_does(engine: Engine, mi
     assert e.value.field == "options.mode"
     request = frontend.make_request(TEXT, PoolingParams(options={"task": "query"}), "r2", "input")
     assert request.prompt.text == "query: " + TEXT
+
+
+def test_the_tokenizer_is_given_each_prompts_options(minilm_path: Path, minilm_engine: Engine) -> None:
+    """In order, one per prompt, in the batched call and in the re-encode that truncates an over-long input."""
+    with Engine.from_workflow("bert", minilm_path, overrides=["tokenizer.name=test_task_pad"]) as engine:
+        assert engine.request_options == {"task": ("document", "query")}
+        TaskPadTokenizer.seen.clear()
+        query, document = engine.encode(["paris", "berlin"], PoolingParams(options={"task": "query"})), \
+            engine.encode(["paris"])
+        assert [o.num_prompt_tokens for o in query] == [PAD_TO, PAD_TO] and document[0].num_prompt_tokens == 3
+        assert [{"task": "query"}, {"task": "query"}] in TaskPadTokenizer.seen and [None] in TaskPadTokenizer.seen
+        plain, = minilm_engine.encode(["paris"])
+        assert np.abs(document[0].outputs["dense"] - plain.outputs["dense"]).max() <= 1e-6
+        assert np.abs(query[0].outputs["dense"] - plain.outputs["dense"]).max() > 1e-3  # the padding was embedded
+        TaskPadTokenizer.seen.clear()
+        engine.encode([TEXT * 60], PoolingParams(truncate=True, options={"task": "query"}))
+        assert TaskPadTokenizer.seen[-1] == [{"task": "query"}]  # the truncating call, after the batched one
+        assert len(TaskPadTokenizer.seen) == 2
+
+
+def test_a_tokenizer_whose_encode_takes_no_options_is_refused_at_build(minilm_path: Path,
+                                                                       minilm_engine: Engine) -> None:
+    with pytest.raises(ModelLoadError, match="tokenizer 'test_no_options': its encode\\(\\) takes no `options`"):
+        Engine.from_workflow("bert", minilm_path, overrides=["tokenizer.name=test_no_options"])
+    from wde.request import TextPrompt
+
+    with pytest.raises(ValueError, match="1 options for 2 prompts"):
+        minilm_engine.tokenizer.encode([TextPrompt("a"), TextPrompt("b")], options=[None])

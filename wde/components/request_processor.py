@@ -1,4 +1,5 @@
-"""Request processors: tokenize requests when the scheduler asks for them (lazily, in batches).
+"""Request processors: tokenize requests when the scheduler asks for them (lazily, in batches), each prompt with its
+request's per-request options (the tokenizer's `options`).
 
 Tokenizing at schedule time keeps admission cheap and lets one fast batched tokenizer call serve a whole
 batch. Length limits are enforced here: an input over the limit is truncated only if the request asked.
@@ -7,6 +8,7 @@ A request the tokenizer fails on fails alone: the others of its call are tokeniz
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Sequence
 
@@ -14,7 +16,7 @@ from pydantic import Field
 
 from wde.components.base import BuildContext, Component, Params
 from wde.chunking import split
-from wde.errors import RequestError, internal_error
+from wde.errors import ModelLoadError, RequestError, internal_error
 from wde.request import PairPrompt, Request, SchedulableRequest, TextPrompt, TokensPrompt
 
 Result = SchedulableRequest | RequestError
@@ -38,6 +40,11 @@ class LazyTokenizeRequestProcessor(Component):
         super().__init__(params, ctx)
         self._tokenizer = ctx.tokenizer
         self.max_length: int = ctx.tokenizer.max_length
+        takes = inspect.signature(ctx.tokenizer.encode).parameters
+        if "options" not in takes and not any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+            raise ModelLoadError(f"tokenizer {ctx.tokenizer.name!r}: its encode() takes no `options`, which the"
+                                 " request processor passes (each prompt's per-request options); add the parameter"
+                                 " `options=None` and pass it on to HFTokenizer.encode (docs/plugins.md)")
 
     def is_large(self, request: Request) -> bool:
         """Whether `request` should be tokenized off the scheduling thread (see `background_chars`)."""
@@ -76,7 +83,8 @@ class LazyTokenizeRequestProcessor(Component):
     def _encode(self, requests: Sequence[Request]) -> list:
         """One batched tokenizer call; if it raises, each request alone, so only the culprit fails."""
         try:
-            return self._tokenizer.encode([r.prompt for r in requests])  # type: ignore[misc]
+            return self._tokenizer.encode([r.prompt for r in requests],  # type: ignore[misc]
+                                          options=[r.params.options for r in requests])
         except Exception as e:  # noqa: BLE001 - isolated below
             if len(requests) == 1:
                 return [internal_error(requests[0].request_id, e, "tokenizer")]
@@ -105,7 +113,8 @@ class LazyTokenizeRequestProcessor(Component):
                                 f" text, and the first text with the special tokens already takes {shortest - 1}",
                                 "input[0]", kind="too_long")
         assert isinstance(prompt, (TextPrompt, PairPrompt))
-        (ids, types), = self._tokenizer.encode([prompt], max_length=limit, direction=direction)
+        (ids, types), = self._tokenizer.encode([prompt], max_length=limit, direction=direction,
+                                               options=[request.params.options])
         return SchedulableRequest(request, ids, types)
 
     def _chunked(self, request: Request, ids: list[int], types: list[int] | None,

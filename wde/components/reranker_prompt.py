@@ -17,7 +17,7 @@ from pydantic import Field, field_validator
 
 from wde.components.base import BuildContext
 from wde.components.input_processor import InputName, TextInputParams, TextInputProcessor
-from wde.components.tokenizer import Encoded, HFTokenizer, HFTokenizerParams
+from wde.components.tokenizer import Encoded, HFTokenizer, HFTokenizerParams, PromptOptions
 from wde.errors import ModelLoadError
 from wde.request import PairPrompt, PoolingParams, Prompt, TextPrompt
 
@@ -102,7 +102,7 @@ class AffixTokenizer(HFTokenizer):
         return self._tok(text, add_special_tokens=False)["input_ids"] if text else []
 
     def encode(self, prompts: Sequence[TextPrompt | PairPrompt], max_length: int | None = None,
-               direction: Literal["left", "right"] = "right") -> list[Encoded]:
+               direction: Literal["left", "right"] = "right", options: PromptOptions | None = None) -> list[Encoded]:
         if max_length is not None:
             if max_length <= self.num_affix_tokens:
                 raise ValueError(f"a limit of {max_length} tokens leaves no room for the input between the"
@@ -110,7 +110,7 @@ class AffixTokenizer(HFTokenizer):
             max_length -= self.num_affix_tokens
         pre, suf = self.prefix_ids, self.suffix_ids
         out: list[Encoded] = []
-        for ids, types in super().encode(prompts, max_length, direction):
+        for ids, types in super().encode(prompts, max_length, direction, options):
             if types is not None:
                 types = [0] * len(pre) + types + types[-1:] * len(suf)
             out.append((pre + ids + suf, types))

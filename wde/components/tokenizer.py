@@ -7,7 +7,7 @@ import functools
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 from pydantic import Field
 
@@ -16,6 +16,10 @@ from wde.errors import ModelLoadError, one_line
 from wde.request import PairPrompt, TextPrompt
 
 Encoded = tuple[list[int], list[int] | None]
+
+PromptOptions = Sequence[Mapping[str, str] | None]
+"""What `encode` is told of each prompt's request: its per-request options (`PoolingParams.options`; None where it
+has none), one per prompt, in order."""
 
 VOCAB_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "merges.txt", "sentencepiece.bpe.model", "spiece.model",
                "spm.model", "sentencepiece.model", "tokenizer.model", "*.tiktoken")
@@ -174,11 +178,17 @@ class HFTokenizer(Component):
         prompts: Sequence[TextPrompt | PairPrompt],
         max_length: int | None = None,
         direction: Literal["left", "right"] = "right",
+        options: PromptOptions | None = None,
     ) -> list[Encoded]:
         """Token ids (and token type ids for pairs on BERT-like models) for each prompt.
 
         With `max_length` the inputs are truncated to it (pairs: from the second text only), else not at all.
+        `options` (the request processor always passes them): each prompt's per-request options, for a tokenizer
+        that tokenizes a request by them (a late-interaction query and document); such a tokenizer declares the
+        options it reads with `request_options()`, as every component does. This one reads none.
         """
+        if options is not None and len(options) != len(prompts):
+            raise ValueError(f"encode got {len(options)} options for {len(prompts)} prompts; give one per prompt")
         if not prompts:
             return []
         texts = [p.text for p in prompts]

@@ -1,8 +1,8 @@
 """The three stages where Stanford ColBERT differs from a BERT embedder.
 
 - `ColbertTokenizer`: the markers `[unused0]` (query) and `[unused1]` (document), which the input processor adds as
-  prompts, become single tokens; a query is cut to `query_length` tokens or padded to it with `[MASK]`, as
-  ColBERT's QueryTokenizer pads (its `[SEP]` kept). It knows a query by its marker: the tokenizer sees no options.
+  prompts, become single tokens; a query (the request's option `task`, which `encode` is given) is cut to
+  `query_length` tokens or padded to it with `[MASK]`, as ColBERT's QueryTokenizer pads (its `[SEP]` kept).
 - `ColbertModel`: BERT plus the checkpoint's `linear` projection; a query's `[MASK]` tokens are masked as keys
   (`ModelInput.key_mask`), as ColBERT's attention mask leaves them out (`attend_to_mask_tokens: false`).
 - `ColbertPooler`: normalize(linear(hidden)) per token, output 'colbert'; a document's punctuation is not scored.
@@ -41,10 +41,14 @@ class ColbertTokenizer(HFTokenizer):
         if self.query_id == hf.unk_token_id or self.mask_id is None:
             raise ModelLoadError(f"{ctx.source.path}: the vocabulary lacks [unused0] or [MASK], which ColBERT needs")
 
-    def encode(self, prompts, max_length=None, direction="right"):  # noqa: ANN001, ANN201 - types not in wde.api
+    def request_options(self) -> dict[str, tuple[str, ...]]:
+        return TASK
+
+    def encode(self, prompts, max_length=None, direction="right", options=None):  # noqa: ANN001, ANN201
         out, n = [], self.params.query_length
-        for ids, types in super().encode(prompts, max_length, direction):
-            if len(ids) > 1 and ids[1] == self.query_id:
+        for (ids, types), opts in zip(super().encode(prompts, max_length, direction, options),
+                                      options or [None] * len(prompts)):
+            if (opts or {}).get("task") == "query":
                 ids = ids[:n - 1] + ids[-1:] if len(ids) > n else ids + [self.mask_id] * (n - len(ids))
                 types = None if types is None else [0] * len(ids)
             out.append((ids, types))
