@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests import tiny_models
+from wde.engine import EngineLoad
 from wde.ray_serve import RayServeArgsError, build_app, parse_model
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'wde[ray]')")
@@ -92,6 +93,28 @@ def test_args_are_validated_and_refused_by_name() -> None:
         build_app({"models": [{"model": "a"}, {"model": "b", "sett": "x=1"}]})
     with pytest.raises(RayServeArgsError, match="models: give a list"):
         build_app({"models": []})
+
+
+def test_engine_load_counts_queued_and_running_inputs_and_tokens(tiny_bert: Path) -> None:
+    """What the autoscaler gauges read (`Engine.load`): one batch holds two of three 52-token inputs (a budget of
+    128 tokens); the third is tokenized and queued (sync executor) or already handed to the device (thread)."""
+    from wde import Engine
+
+    texts = ["word " * 50] * 3  # 50 words, [CLS] and [SEP]: 52 tokens
+    budget = "scheduler.params.max_num_batched_tokens=128"
+    with Engine.from_workflow(None, tiny_bert, overrides=[MEAN, budget, "executor.name=sync"]) as engine:
+        for text in texts:
+            engine.add_request(text)
+        assert engine.load() == EngineLoad(queued_inputs=3, queued_tokens=0, running_inputs=0, running_tokens=0)
+        assert len(engine.step()) == 2
+        assert engine.load() == EngineLoad(queued_inputs=1, queued_tokens=52, running_inputs=0, running_tokens=0)
+    with Engine.from_workflow(None, tiny_bert, overrides=[MEAN, budget, "executor.name=thread"]) as engine:
+        for text in texts:
+            engine.add_request(text)
+        assert len(engine.step()) == 2  # the first batch finished while the second was handed to the device
+        assert engine.load() == EngineLoad(queued_inputs=0, queued_tokens=0, running_inputs=1, running_tokens=52)
+        assert len(engine.step()) == 1
+        assert engine.load() == EngineLoad(0, 0, 0, 0)
 
 
 def st_vectors(path: Path, texts: list[str]) -> np.ndarray:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 from wde.components.image_decode import ImageDecoder
 from wde.core.heartbeat import Heartbeat
-from wde.engine import BatchStats, Engine
+from wde.engine import BatchStats, Engine, EngineLoad
 from wde.engine_info import EngineInfo
 from wde.request import PoolingParams, Request, RequestOutput
 from wde.restarts import RestartBudget
@@ -129,6 +129,11 @@ class AsyncEngine:
     def queue_depth(self) -> int:
         """Requests accepted and not yet scheduled into a batch."""
         return int(getattr(self.engine.scheduler, "num_waiting", 0))
+
+    @property
+    def load(self) -> EngineLoad:
+        """Queued and running inputs and tokens of the engine (`Engine.load`)."""
+        return self.engine.load()
 
     @property
     def num_pending(self) -> int:

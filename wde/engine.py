@@ -102,6 +102,21 @@ class BatchStats:
     seconds: float
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine holds at one moment, as an autoscaler reads it (/metrics: `wde_queue_depth`,
+    `wde_queued_tokens`, `wde_running_inputs`, `wde_running_tokens`)."""
+
+    queued_inputs: int
+    """Inputs (chunks of a chunked one) waiting to be scheduled."""
+    queued_tokens: int
+    """Tokens of the queued inputs tokenized so far: the scheduler tokenizes about one batch ahead, so a deep queue
+    shows in `queued_inputs` first."""
+    running_inputs: int
+    """Inputs in batches handed to the device and not finished."""
+    running_tokens: int
+
+
 def resolve(workflow: str | Path | None = None, model: str | Path | None = None, *,
             overrides: Iterable[str] | None = None, trust_remote_code: bool = False, dtype: str | None = None,
             device: str | None = None, registry: Registry | None = None, lora_modules: Mapping[str, str] | None = None,
@@ -312,6 +327,13 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
+
+    def load(self) -> EngineLoad:
+        """Queued and running inputs and tokens (safe to read from another thread while the engine steps)."""
+        batches = [batch for batch, _ in list(self._inflight)] + list(self._retry)
+        return EngineLoad(int(getattr(self.scheduler, "num_waiting", 0)),
+                          int(getattr(self.scheduler, "queued_tokens", 0)),
+                          sum(len(b.scheduled) for b in batches), sum(b.num_tokens for b in batches))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._inflight) or bool(self._retry)

@@ -98,6 +98,11 @@ class FCFSScheduler(Component):
     def num_waiting(self) -> int:
         return len(self._waiting) + len(self._ready) + len(self._tokenizing)
 
+    @property
+    def queued_tokens(self) -> int:
+        """Tokens of the waiting sequences tokenized so far (those in `_waiting` are not tokenized yet)."""
+        return sum(s.num_tokens for s in list(self._ready))
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._ready or self._tokenizing)
 
