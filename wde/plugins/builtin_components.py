@@ -58,6 +58,7 @@ _BUILTINS: tuple[tuple[str, str, str, type[Params]], ...] = (
     ("model", "distilbert", "models.distilbert:DistilBertModel", ModelParams),
     ("model", "mpnet", "models.mpnet:MPNetModel", ModelParams),
     ("model", "modernbert", "models.modernbert:ModernBertModel", ModelParams),
+    ("model", "jina_embeddings_v3", "models.jina_v3:JinaEmbeddingsV3Model", ModelParams),
     ("model", "clip", "models.clip:ClipModel", ModelParams),
     ("model", "siglip", "models.clip:SiglipModel", ModelParams),
     ("model", "siglip2", "models.siglip2:Siglip2Model", ModelParams),

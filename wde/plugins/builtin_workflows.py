@@ -30,6 +30,7 @@ DEFAULT_ARCHITECTURES: dict[str, str] = {
     "ModernBertForSequenceClassification": "modernbert_sequence_classification",
     "NomicBertModel": "nomic_bert",
     "GteModel": "gte_multilingual",
+    "JinaEmbeddingsV3Model": "jina_embeddings_v3",
     "EuroBertModel": "eurobert",
     "DistilBertModel": "distilbert",
     "DistilBertForSequenceClassification": "distilbert_sequence_classification",
