@@ -1,10 +1,10 @@
 """Per-request options (`PoolingParams.options`, issue 35's first seam): components declare the options they read
 (`Component.request_options`), the engine takes exactly those, and every request's options reach every component.
 
-The components here are the smallest real consumers: an input processor that prefixes a text by its `task`, a
-request processor that reads the same option to cap the tokens of a query, and a tokenizer that pads a query (its
-`encode` is given each prompt's options by the request processor, the truncating re-encode included). Both are registered as a plugin would
-register them; the built-in late-interaction workflows are the core's own consumers.
+The components here are the smallest real consumers: an input processor that prefixes a text by its `task`, a request
+processor that reads the same option to cap the tokens of a query, and a tokenizer that pads a query (its `encode` is
+given each prompt's options by the request processor, the truncating re-encode included). All are registered as a
+plugin would register them; the built-in late-interaction workflows are the core's own consumers.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """Scorers: how a workflow scores a query against documents, for every scoring entry point (`Engine.score` and
-`Engine.rerank`; /rerank, /v1/rerank, Cohere's /v2/rerank, Infinity, TEI and Elastic rerank; /score and /v1/score;
-TEI /similarity).
+`Engine.rerank`; /rerank, /v1/rerank, Cohere's /v2/rerank, Infinity, TEI and Elastic rerank; /score and /v1/score; TEI
+/similarity).
 
-A scorer either scores each (query, document) pair in one pass of the model (`pairs`: a cross-encoder reads its
-pair's `output`), or embeds the query and the documents on their own and compares them (`score`: cosine, dot product or
-minus a distance of dense or sparse vectors, MaxSim of multi-vector ones). It names the output it reads and what each side is run with
-(`side_params`: the output, and for a late-interaction model the per-request option `task`), so a caller needs
+A scorer either scores each (query, document) pair in one pass of the model (`pairs`: a cross-encoder reads its pair's
+`output`), or embeds the query and the documents on their own and compares them (`score`: cosine, dot product or minus a
+distance of dense or sparse vectors, MaxSim of multi-vector ones). It names the output it reads and what each side is
+run with (`side_params`: the output, and for a late-interaction model the per-request option `task`), so a caller needs
 nothing else to know about the model. It is built after the pooler, reads only the pooler's public attributes
 (`outputs`, and for `maxsim` `similarity_fn_name`), and keeps no reference to any component: its state is plain
 settings, so it travels with `EngineInfo` to a split engine's API servers and scores there.
 
-`scoring_plan` turns pairs into the inputs to run (each distinct query and document once for an embedding scorer)
-and their outputs back into one score per pair; the engine and the server both score through it.
+`scoring_plan` turns pairs into the inputs to run (each distinct query and document once for an embedding scorer) and
+their outputs back into one score per pair; the engine and the server both score through it.
 """
 
 from __future__ import annotations
