@@ -6,8 +6,9 @@ cosine similarity is reported. Vector outputs (dense, colbert, per-token) compar
 (score) and per-label outputs (probs) compare the vector across inputs; image families (clip, siglip, siglip2)
 get texts and images (PIL images and PNG bytes of odd sizes and modes) in one call, reported apart as
 image:<output> and text:<output>. A backend the workflow refuses (a model needing an attention bias or local
-windows the backend lacks) is reported "n/a (reason)". Exits 1 if any output falls below the threshold, or if a
-bundled workflow has no family here.
+windows the backend lacks) is reported "n/a (reason)". colpali and colqwen2 run transformers' own modules, not
+WDE's attention backends: each is compared once (queries and page images in one call), reported as "transformers".
+Exits 1 if any output falls below the threshold, or if a bundled workflow has no family here.
 
     python benchmarks/gpu_parity.py [--device cuda] [--dtype float16] [--backends torch_sdpa,triton_varlen]
         [--only clip,mpnet]
@@ -33,6 +34,7 @@ import torch  # noqa: E402
 from tests import test_deberta_v2, test_distilbert, test_embeddinggemma, test_modernbert, test_mpnet  # noqa: E402
 from tests import test_rotary_encoders, tiny_clip, tiny_decoders, tiny_heads, tiny_models  # noqa: E402
 from tests.test_siglip2 import odd_images  # noqa: E402
+from tests.tiny_colpali import build_colpali, build_colqwen2, page_image  # noqa: E402
 from wde import Engine, PoolingParams  # noqa: E402
 from wde.errors import ModelLoadError, WorkflowError  # noqa: E402
 from wde.workflow import load_workflow  # noqa: E402
@@ -42,6 +44,19 @@ TRUNCATE = PoolingParams(truncate=True)
 QUERIES = PoolingParams(truncate=True, options={"task": "query"})
 """Late-interaction inputs as queries: expanded, with the expansion tokens masked as keys."""
 PAIRS = [(" ".join(TEXTS[i].split()[:16]), TEXTS[(i * 7 + 3) % len(TEXTS)]) for i in range(len(TEXTS))]
+OWN_ATTENTION = ("colpali", "colqwen2")
+"""Workflows whose model runs transformers' own modules (wde/components/models/col_retrieval.py): WDE's attention
+backends are not used, so each is compared once, with its workflow's attention (auto), reported as "transformers"."""
+
+
+def page_inputs() -> list:
+    """12 short queries and 8 page images of odd sizes (PNG bytes; ColQwen2 gives each its own grid), interleaved."""
+    queries = [" ".join(t.split()[:20]) for t in TEXTS[:12]]
+    pages = [page_image(37 + 41 * i, 29 + 23 * (i % 4), seed=i) for i in range(8)]
+    out: list = []
+    for i in range(len(queries)):
+        out += pages[i:i + 1] + queries[i:i + 1]
+    return out
 
 
 def build_splade(out: Path) -> Path:
@@ -161,6 +176,8 @@ def families(root: Path) -> list[tuple[str, Callable[[], Path], dict[str, Any], 
         ("clip", lambda: tiny_clip.build_clip(root / "clip"), {}, mixed, TRUNCATE),
         ("siglip", lambda: tiny_clip.build_siglip(root / "siglip"), {}, mixed, TRUNCATE),
         ("siglip2", lambda: tiny_clip.build_siglip2(root / "siglip2"), {}, mixed, TRUNCATE),
+        ("colpali", lambda: build_colpali(root / "colpali"), {}, page_inputs(), PoolingParams()),
+        ("colqwen2", lambda: build_colqwen2(root / "colqwen2"), {}, page_inputs(), PoolingParams()),
     ]
 
 
@@ -261,7 +278,7 @@ def main() -> None:
         with Engine.from_workflow(workflow, path, device="cpu", dtype="float32", **overrides) as cpu:
             ref = cpu.encode(inputs, params)
             vocab = cpu.tokenizer.vocab_size
-        for backend in args.backends.split(","):
+        for backend in ["auto"] if workflow in OWN_ATTENTION else args.backends.split(","):
             reason = refusal(workflow, backend)
             extra = {}
             if backend == "triton_varlen" and not args.device.startswith("cuda"):
@@ -282,7 +299,7 @@ def main() -> None:
             scores = compare(ref, got, vocab, inputs)
             worst = min([worst, *scores.values()])
             shown = "  ".join(f"{k}={v:.6f}" for k, v in scores.items())
-            print(f"{workflow:38} {backend:14} {shown}", flush=True)
+            print(f"{workflow:38} {'transformers' if workflow in OWN_ATTENTION else backend:14} {shown}", flush=True)
     ok = worst >= args.threshold and not missing
     if missing:
         print(f"bundled workflows with no family here: {', '.join(missing)}")

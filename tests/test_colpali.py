@@ -253,6 +253,11 @@ def test_pooling_token_embed_of_queries_and_pages(url: str, engines: dict[str, E
     for g, w in zip(got, want):
         assert np.abs(np.array(g, dtype=np.float32) - w.outputs["colbert"]).max() <= 1e-5
     assert r2.json()["usage"]["prompt_tokens"] == sum(w.num_prompt_tokens for w in want[2:])
+    # TEI's /embed_all gives a query's token vectors too
+    r = post(url, "/embed_all", {"inputs": QUERIES[:2]})
+    assert r.status_code == 200, r.text
+    for g, w in zip(r.json(), want[:2]):
+        assert np.abs(np.array(g, dtype=np.float32) - w.outputs["colbert"]).max() <= 1e-5
     # the other side is refused by name, as in Python
     r = post(url, "/pooling", {"model": "m", "input": QUERIES[:1], "task": "token_embed", "input_type": "document"})
     assert r.status_code == 422 and "options.task" in r.text and "texts are queries" in r.text
