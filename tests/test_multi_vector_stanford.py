@@ -172,6 +172,8 @@ REFUSALS = {
                      "dim 128 does not match linear.weight's 16 rows"),
     "no-projection": (_drop_projection, "the checkpoint has no 'linear.weight'"),
     "not-an-object": (lambda f: (f / "artifact.metadata").write_text("[1, 2]"), "must hold a JSON object"),
+    "st-config-beside": (lambda f: (f / "config_sentence_transformers.json").write_text('{"prompts": {}}'),
+                         "with sentence-transformers settings beside artifact.metadata is not implemented"),
 }
 
 

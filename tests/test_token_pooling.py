@@ -116,10 +116,16 @@ def test_request_normalize_decides_the_last_normalization(backbone: Path, tmp_pa
                 assert got.shape == tuple(want.shape) and np.abs(got - want.numpy()).max() <= TOL
 
 
-def test_pool_tokens_matches_the_reference_function() -> None:
+@pytest.mark.parametrize("budget", [1 << 24, 2000])
+def test_pool_tokens_matches_the_reference_function(budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """`pool_tokens` on a batch of random unit vectors (sequences shorter than the protected tokens, of one token,
-    long ones; some not pooled) against `_hierarchical_pool_one` applied to each pooled sequence."""
+    long ones; some not pooled) against `_hierarchical_pool_one` applied to each pooled sequence; the distances in
+    one batched product, or (a small budget) in several."""
     from sentence_transformers.multi_vector_encoder.modules.token_pooling import _hierarchical_pool_one
+
+    from wde.components import token_pooling
+
+    monkeypatch.setattr(token_pooling, "DISTANCE_BUDGET", budget)
 
     torch.manual_seed(3)
     sizes = [0, 1, 2, 5, 40, 17, 3, 64, 9]

@@ -76,6 +76,11 @@ def read_stanford(source: "ModelSource") -> "MultiVectorConfig":
                                                     read_transformer)
 
     where = source.path / METADATA
+    if source.read_json("config_sentence_transformers.json") is not None:
+        raise ModelLoadError(f"{source.path / 'config_sentence_transformers.json'}: a Stanford ColBERT folder"
+                             " (HF_ColBERT, no modules.json) with sentence-transformers settings beside"
+                             f" {METADATA} is not implemented by WDE (its prompts and similarity would override the"
+                             " markers); save it with sentence-transformers (modules.json) or remove the file")
     meta = source.read_json(METADATA)
     if meta is None:
         log.warning("%s: no %s; the Stanford ColBERT defaults apply, as sentence-transformers applies them",

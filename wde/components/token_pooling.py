@@ -5,8 +5,8 @@ For each pooled sequence, its first `num_protected_tokens` vectors are kept as t
 by Ward linkage on their cosine distance (`1 - a.b`, clamped to [0, 2]) into at most `count // pool_factor` clusters
 (at least one; scipy's `linkage` and `fcluster(criterion="maxclust")`, as the reference runs them without
 fastcluster), each cluster replaced by the mean of its vectors, clusters in the order of their labels. The linkage
-is scipy's, once per pooled sequence on the CPU; everything else is one pass over the whole batch (one scatter of
-every token into its output row), on the device.
+is scipy's, once per pooled sequence on the CPU; the distances are one batched product over the pooled sequences
+(zero-padded), the means one scatter of every token of the batch into its output row, on the device.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ import numpy as np
 import torch
 
 from wde.components.multi_vector_config import TokenPooling
+
+DISTANCE_BUDGET = 1 << 24
+"""The most float32 elements of padded distance matrices computed at once (64 MiB)."""
 
 
 def pool_tokens(x: torch.Tensor, counts: torch.Tensor, pooled: list[bool],
@@ -36,14 +39,10 @@ def pool_tokens(x: torch.Tensor, counts: torch.Tensor, pooled: list[bool],
     out_counts = list(sizes)
     keep = pooling.num_protected_tokens
     clustered = [i for i in range(n) if pooled[i] and _clusters(sizes[i] - keep, pooling) < sizes[i] - keep]
-    if clustered:
-        picks = np.concatenate([np.arange(starts[i] + keep, starts[i] + sizes[i]) for i in clustered])
-        vectors = x[torch.from_numpy(picks).to(x.device)].detach().float().cpu()
-        offset = 0
-        for i in clustered:
-            width = sizes[i] - keep
-            labels = _labels(vectors[offset:offset + width], _clusters(width, pooling))
-            offset += width
+    for chunk in _chunks(clustered, [sizes[i] - keep for i in clustered]):
+        widths = [sizes[i] - keep for i in chunk]
+        for i, distance in zip(chunk, _distances(x, [starts[i] + keep for i in chunk], widths)):
+            labels = _labels(distance, _clusters(sizes[i] - keep, pooling))
             rows[starts[i] + keep:starts[i] + sizes[i]] = keep + labels
             out_counts[i] = keep + int(labels.max()) + 1
     out_starts = np.concatenate([[0], np.cumsum(out_counts)[:-1]]).astype(np.int64)
@@ -59,13 +58,38 @@ def _clusters(count: int, pooling: TokenPooling) -> int:
     return max(int(count // pooling.pool_factor), 1)
 
 
-def _labels(vectors: torch.Tensor, clusters: int) -> np.ndarray:
-    """Each vector's cluster, numbered 0.. in the order of fcluster's labels (dense: fcluster may give fewer
-    clusters than asked on ties)."""
+def _chunks(ids: list[int], widths: list[int]) -> list[list[int]]:
+    """`ids` in runs whose padded distance matrices (run length x widest^2 floats) stay within DISTANCE_BUDGET
+    elements (a longer sequence alone in its run)."""
+    budget = DISTANCE_BUDGET
+    runs: list[list[int]] = []
+    widest = 0
+    for i, width in zip(ids, widths):
+        if runs and (len(runs[-1]) + 1) * max(widest, width) ** 2 <= budget:
+            runs[-1].append(i)
+            widest = max(widest, width)
+        else:
+            runs.append([i])
+            widest = width
+    return runs
+
+
+def _distances(x: torch.Tensor, starts: list[int], widths: list[int]) -> list[np.ndarray]:
+    """Each run `x[start:start + width]`'s cosine distances `(1 - a.b)` clamped to [0, 2], float32 on the CPU, as the
+    reference computes them; all in one batched product over the runs zero-padded to the widest."""
+    rows = torch.from_numpy(np.concatenate([np.arange(s, s + w) for s, w in zip(starts, widths)])).to(x.device)
+    vectors = x[rows].detach().float().cpu().split(widths)
+    padded = torch.nn.utils.rnn.pad_sequence(list(vectors), batch_first=True)
+    distance = (1 - torch.bmm(padded, padded.transpose(1, 2))).clamp_(0, 2).numpy()
+    return [distance[j, :w, :w] for j, w in enumerate(widths)]
+
+
+def _labels(distance: np.ndarray, clusters: int) -> np.ndarray:
+    """Each vector's cluster from their distances, numbered 0.. in the order of fcluster's labels (dense: fcluster
+    may give fewer clusters than asked on ties)."""
     from scipy.cluster.hierarchy import fcluster, linkage
     from scipy.spatial.distance import squareform
 
-    distance = (1 - torch.mm(vectors, vectors.t())).clamp_(0, 2).numpy()
     tree = linkage(squareform(distance, checks=False), method="ward")
     labels = fcluster(tree, t=clusters, criterion="maxclust")
     return np.unique(labels, return_inverse=True)[1].astype(np.int64).reshape(-1)
