@@ -292,3 +292,21 @@ def test_oversized_page_over_http_names_the_limit(folders: dict[str, Path]) -> N
             r = post(base, "/v1/score", {"model": "m", "text_1": QUERIES[0], "text_2": {"content": [
                 {"type": "image_url", "image_url": {"url": data_uri(page_image(120, 100))}}]}})
             assert 400 <= r.status_code < 500 and "max_image_pixels" in r.text, r.text
+
+
+def test_split_engine_serves_pages_and_queries(folders: dict[str, Path], engines: dict[str, Engine]) -> None:
+    """`wde serve --api-servers 1`: the API server renders and tokenizes queries and decodes pages (their pixels
+    travel to the core as arrays, its token ids rebuilt there from their grids); the vectors are the engine's."""
+    from tests.test_server import serve_split
+
+    engine, images = engines["colqwen2"], pages()[:3]
+    want = engine.encode([*QUERIES[:2], *images])
+    with serve_split(folders["colqwen2"], 1) as (base, _):
+        r = post(base, "/pooling", {"input": QUERIES[:2], "task": "token_embed"})
+        assert r.status_code == 200, r.text
+        r2 = post(base, "/pooling", {"input": [data_uri(b) for b in images], "modality": "image",
+                                     "task": "token_embed"})
+        assert r2.status_code == 200, r2.text
+    got = [item["data"] for item in r.json()["data"] + r2.json()["data"]]
+    for g, w in zip(got, want):
+        assert np.abs(np.array(g, dtype=np.float32) - w.outputs["colbert"]).max() <= 1e-5
