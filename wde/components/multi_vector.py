@@ -30,7 +30,7 @@ from wde.components.base import BuildContext, Component
 from wde.components.input_processor import InputName, TextInputParams, TextInputProcessor
 from wde.components.model_input_builder import ModelInput, PackedInputBuilder
 from wde.components.models.fused import l2_normalize
-from wde.components.multi_vector_config import (TASKS, is_multi_vector_folder, read_multi_vector_config,
+from wde.components.multi_vector_config import (TASKS, Projection, is_multi_vector_folder, read_multi_vector_config,
                                                register_prefix_tokens)
 from wde.components.params import MultiVectorPoolerParams
 from wde.components.pooler import Pooled, segment_ids
@@ -230,7 +230,7 @@ class MultiVectorPooler(Component):
                                  " expansion needs (attend: false); use attention auto, torch_sdpa or cpu_varlen")
 
     @staticmethod
-    def _projection(ctx: BuildContext, projection: Any, width: int) -> torch.nn.Linear:
+    def _projection(ctx: BuildContext, projection: Projection, width: int) -> torch.nn.Linear:
         """The checkpoint's inline projection (Stanford's `linear.weight`) as a bias-free float32 Linear."""
         found = [t for _, t in ctx.source.iter_weights(lambda n: n == projection.tensor)]
         if not found:
