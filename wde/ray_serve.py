@@ -36,6 +36,7 @@ NOT_ON_RAY = {
     "port": "Ray Serve's proxy listens for every replica (serve start --http-port, or http_options in a Serve config)",
     "grpc_port": "TEI's gRPC API is not served through Ray Serve's proxy (use wde serve --grpc-port)",
     "header_timeout": "Ray Serve's proxy reads request headers, not WDE (the proxy's own timeouts apply)",
+    "access_log": "Ray Serve writes the access log (each replica's log under /tmp/ray/session_latest/logs/serve)",
     "api_servers": "a replica is one process; add replicas (num_replicas, autoscaling_config) instead",
 }
 """`wde serve` options that have no meaning behind Ray's proxy, and why; `build_app` refuses them by name."""
@@ -175,6 +176,11 @@ class Replica:
         why = self.service.liveness()
         if why is not None:
             raise RuntimeError(why)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """The engine's queued and running inputs and tokens (`Engine.load`), for a custom Ray Serve autoscaling
+        policy (`autoscaling_config.policy`) to read from its context's `aggregated_metrics`."""
+        return {k: float(v) for k, v in dataclasses.asdict(self.service.engine.load).items()}
 
     async def forward(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
                       body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
