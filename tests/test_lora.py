@@ -236,3 +236,54 @@ def test_a_target_the_model_lacks_is_refused(bert_adapters: dict[str, Path], tmp
 def test_the_number_of_loaded_adapters_is_bounded(bert_adapters: dict[str, Path]) -> None:
     with pytest.raises(ModelLoadError, match="max_adapters = 1"):
         Engine.from_workflow(None, minilm(), lora_modules=bert_adapters, overrides=["model.params.lora.max_adapters=1"])
+
+
+# --- adapters loaded and unloaded while the engine serves ------------------------------------------------------
+
+def test_adapters_load_and_unload_at_run_time(bert_adapters: dict[str, Path]) -> None:
+    engine = Engine.from_workflow(None, minilm(), overrides=["model.params.lora.enable=true",
+                                                             "model.params.lora.max_adapters=1"])
+    try:
+        assert engine.info.options == {"adapter": ("none",)}
+        engine.load_lora_adapter("first", bert_adapters["first"])
+        assert engine.info.options == {"adapter": ("none", "first")}
+        check_parity(engine, minilm(), {"first": bert_adapters["first"]}, TEXTS[:3])
+        with pytest.raises(ModelLoadError, match="max_adapters = 1"):
+            engine.load_lora_adapter("second", bert_adapters["second"])
+        queued = engine.add_request(TEXTS[0], PoolingParams(options={"adapter": "first"}))
+        engine.unload_lora_adapter("first")  # after its request was accepted, before it ran
+        assert engine.info.options == {"adapter": ("none",)}
+        outputs = []
+        while engine.has_unfinished():
+            outputs += engine.step()
+        (failed,) = [o for o in outputs if o.request_id == queued]
+        assert failed.error is not None and "'first' is not loaded" in str(failed.error)
+        with pytest.raises(RequestError, match="'first'"):
+            engine.add_request(TEXTS[0], PoolingParams(options={"adapter": "first"}))
+        engine.load_lora_adapter("second", bert_adapters["second"])  # the bound counts loaded adapters only
+        check_parity(engine, minilm(), {"second": bert_adapters["second"]}, TEXTS[:3])
+    finally:
+        engine.close()
+
+
+def test_a_batch_packed_before_its_adapter_was_unloaded_does_not_run_without_it(bert_adapters: dict[str, Path]) -> None:
+    from wde.components.scheduler import SchedulerOutput
+
+    engine = Engine.from_workflow(None, minilm(), lora_modules={"first": bert_adapters["first"]})
+    try:
+        request = engine.make_request(TEXTS[0], PoolingParams(options={"adapter": "first"}))
+        (ready,) = engine.components["request_processor"].process([request], engine.max_length)
+        batch = engine.input_builder.build(SchedulerOutput([ready]))
+        assert batch.adapter_ids is not None and bool((batch.adapter_ids > 0).all())
+        engine.unload_lora_adapter("first")
+        with pytest.raises(RuntimeError, match="unloaded since it was packed"):
+            engine.components["runner"].run(batch)
+        assert all(not m.adapters for m in engine.components["model"].lora.linears.values())  # dropped after
+    finally:
+        engine.close()
+
+
+def test_run_time_loading_needs_adapters_enabled(bert_adapters: dict[str, Path]) -> None:
+    with Engine.from_workflow(None, minilm()) as engine:
+        with pytest.raises(ModelLoadError, match="lora.enable=true"):
+            engine.load_lora_adapter("first", bert_adapters["first"])

@@ -14,7 +14,7 @@ import logging
 import os
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -325,6 +325,29 @@ class Engine:
         self.scheduler.add(request)
         return request.request_id
 
+    def load_lora_adapter(self, name: str, path: str | Path) -> None:
+        """Load the PEFT LoRA folder `path` as adapter `name` while the engine serves: requests may name it (option
+        `adapter`) once this returns. Needs a model built with adapters enabled (`model.params.lora`: `modules` or
+        `enable: true`); the bound is `lora.max_adapters`. Raises `ModelLoadError` naming what is wrong."""
+        self._adapters().load_peft(name, path)
+        self._options_changed()
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload adapter `name`: requests naming it are refused from now on, and queued ones fail naming it."""
+        self._adapters().remove(name)
+        self._options_changed()
+
+    def _adapters(self) -> Any:
+        lora = getattr(self.components["model"], "lora", None)
+        if lora is None or lora.table.option != "adapter":
+            raise ModelLoadError(f"workflow {self.workflow.name!r} was not started with LoRA adapters enabled; set"
+                                 " model.params.lora.enable=true (or name adapters in model.params.lora.modules)")
+        return lora
+
+    def _options_changed(self) -> None:
+        self.request_options = declared_options(self.components, self.workflow.name)
+        self.info = replace(self.info, options=dict(self.request_options))
+
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
 
@@ -412,6 +435,9 @@ class Engine:
             self._retry.extendleft([SchedulerOutput(batch.scheduled[half:]), SchedulerOutput(batch.scheduled[:half])])
             return []
         rid = batch.scheduled[0].request.request_id
+        if isinstance(error, RequestError) and error.kind != "internal":  # the request's own fault, named (an
+            self._failed_alone.pop(rid, None)  # adapter unloaded after it was accepted): no retry, no 500
+            return [(batch.scheduled[0], RequestOutput(rid, error=error))]
         attempts = self._failed_alone.get(rid, 0) + 1
         if attempts < SOLO_ATTEMPTS:
             log.warning("request %s failed alone in %s (%s: %s); retrying it once", rid, where, type(error).__name__,

@@ -23,6 +23,7 @@ import contextvars
 import json
 import math
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -174,12 +175,14 @@ def wrap_linears(model: nn.Module, embeddings: tuple[str, ...] = ()) -> int:
 
 @dataclass
 class AdapterTable:
-    """Which adapter each value of a per-request option selects: slot 1..max (0: the base model, `default`)."""
+    """Which value of a per-request option selects which adapter slot (0: the base model, `default`). Slots are
+    never reused, so a batch packed before an adapter was unloaded cannot run with another adapter's weights."""
 
     option: str
     default: str
     max_adapters: int
     slots: dict[str, int] = field(default_factory=dict)
+    _next: int = 1
 
     def values(self) -> tuple[str, ...]:
         return (self.default, *self.slots)
@@ -194,20 +197,25 @@ class AdapterTable:
                                f"options.{self.option}")
         return slot
 
-    def add(self, name: str) -> int:
+    def reserve(self, name: str) -> int:
+        """A new slot for adapter `name` (published by `slots[name] = slot` once its weights are in place)."""
         if name == self.default or name in self.slots:
             raise ModelLoadError(f"{self.option} {name!r} is already {'the base model' if name == self.default else 'loaded'}")
         if len(self.slots) >= self.max_adapters:
             raise ModelLoadError(f"{len(self.slots)} adapters are loaded, the most allowed (lora.max_adapters ="
                                  f" {self.max_adapters}); unload one first")
-        slot = min(set(range(1, self.max_adapters + 1)) - set(self.slots.values()))
-        self.slots[name] = slot
+        slot, self._next = self._next, self._next + 1
         return slot
 
 
 class LoraSet:
-    """A model's adapters: its wrapped linear layers by name, the table of loaded adapters, and the forward hooks
-    that group each batch's tokens by adapter. Made by `PrefillModel.before_packing` (or a plugin's)."""
+    """A model's adapters: its wrapped layers by name, the table of loaded adapters, and the forward hooks that
+    group each batch's tokens by adapter. Made by `PrefillModel.use_lora` (from `before_packing`).
+
+    Adapters may be added and removed while batches run (`wde serve`'s load/unload routes): an adapter's weights are
+    in every layer before its name is published, and an unloaded adapter's weights are dropped only when no forward
+    is running; a batch packed with an adapter that was unloaded since fails (its requests then fail alone, naming
+    it) instead of running without it."""
 
     def __init__(self, model: "PrefillModel", option: str = ADAPTER_OPTION, default: str = NO_ADAPTER,
                  max_adapters: int = 8) -> None:
@@ -217,8 +225,11 @@ class LoraSet:
             n: m for n, m in model.named_modules() if isinstance(m, (LoraLinear, LoraEmbedding))}
         """The layers that take adapters, by module name: every linear layer and the token embeddings."""
         self.table = AdapterTable(option, default, max_adapters)
-        model.register_forward_pre_hook(_enter)
-        model.register_forward_hook(_leave)
+        self._lock = threading.Lock()
+        self._running = 0
+        self._retired: set[int] = set()
+        model.register_forward_pre_hook(self._enter)
+        model.register_forward_hook(self._leave, always_call=True)
 
     def request_options(self) -> dict[str, tuple[str, ...]]:
         return {self.table.option: self.table.values()}
@@ -233,31 +244,57 @@ class LoraSet:
             if a.shape[1] != linear.in_features or b.shape != (linear.out_features, a.shape[0]):
                 raise ModelLoadError(f"adapter {name!r}: {module} takes A [R, {linear.in_features}] and B"
                                      f" [{linear.out_features}, R], got {tuple(a.shape)} and {tuple(b.shape)}")
-        slot = self.table.add(name)
+        with self._lock:
+            slot = self.table.reserve(name)
         for module, (a, b) in deltas.items():
             linear = self.linears[module]
             a = a.T if isinstance(linear, LoraEmbedding) else a  # looked up by token id: [vocab, R]
             linear.adapters[slot] = (a.to(linear.device, linear.dtype).contiguous(),
                                      b.to(linear.device, linear.dtype).contiguous())
+        with self._lock:
+            if len(self.table.slots) >= self.table.max_adapters or name in self.table.slots:  # a concurrent add won
+                self._drop({slot})
+                self.table.reserve(name)  # raises the error naming why
+            self.table.slots[name] = slot
 
     def remove(self, name: str) -> None:
-        slot = self.table.slots.pop(name, None)
-        if slot is None:
-            raise ModelLoadError(f"{self.table.option} {name!r} is not loaded; loaded: {', '.join(self.table.slots) or 'none'}")
-        for linear in self.linears.values():
-            linear.adapters.pop(slot, None)
+        """Unload adapter `name`: new requests naming it are refused at once; its weights go once no batch runs."""
+        with self._lock:
+            slot = self.table.slots.pop(name, None)
+            if slot is None:
+                loaded = ", ".join(self.table.slots) or "none"
+                raise ModelLoadError(f"{self.table.option} {name!r} is not loaded; loaded: {loaded}")
+            self._retired.add(slot)
+            if self._running == 0:
+                self._drop(self._retired)
 
     def load_peft(self, name: str, path: str | Path) -> None:
         """Load the PEFT LoRA folder `path` as adapter `name`."""
         self.add(name, read_peft_adapter(path, self.model, set(self.linears)))
 
+    def _drop(self, slots: set[int]) -> None:
+        for linear in self.linears.values():
+            for slot in slots:
+                linear.adapters.pop(slot, None)
+        slots.clear()
 
-def _enter(model: nn.Module, args: tuple[Any, ...]) -> None:
-    _GROUPS.set(LoraGroups.of(getattr(args[0], "adapter_ids", None)) if args else None)
+    def _enter(self, model: nn.Module, args: tuple[Any, ...]) -> None:
+        groups = LoraGroups.of(getattr(args[0], "adapter_ids", None)) if args else None
+        with self._lock:
+            self._running += 1  # before any raise: `_leave` always runs
+            live = set(self.table.slots.values())
+            gone = [slot for slot, _ in (groups.groups if groups else ()) if slot not in live]
+        _GROUPS.set(None)
+        if gone:
+            raise RuntimeError(f"the batch names {self.table.option} slots {gone}, unloaded since it was packed")
+        _GROUPS.set(groups)
 
-
-def _leave(model: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-    _GROUPS.set(None)
+    def _leave(self, model: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        _GROUPS.set(None)
+        with self._lock:
+            self._running -= 1
+            if self._running == 0 and self._retired:
+                self._drop(self._retired)
 
 
 def check_adapter_config(config: Mapping[str, Any], where: str) -> None:
