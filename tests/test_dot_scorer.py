@@ -120,7 +120,7 @@ def test_sparse_scores_by_key_whatever_the_order() -> None:
     assert Fake().score(query, docs).tolist() == [5.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("similarity", ["angle", "maxsim"])
+@pytest.mark.parametrize("similarity", ["angle", "maxsim", "dot_product"])
 def test_a_similarity_wde_does_not_score_with_is_refused(similarity: str, minilm_path: Path, tmp_path: Path) -> None:
     folder = dense_folder(minilm_path, tmp_path / "st", "dot")
     config = json.loads((folder / "config_sentence_transformers.json").read_text())

@@ -194,19 +194,20 @@ class ManhattanScorer(VectorScorer):
 
 def folder_similarity(ctx: BuildContext, output: str) -> str:
     """The similarity a sentence-transformers folder says its `output` vectors are compared with
-    (config_sentence_transformers.json `similarity_fn_name`; `dot_product` is `dot`): its default where it names
-    none (cosine for dense vectors, dot for sparse ones, as sentence-transformers picks). One WDE does not score
-    with is refused at build by name, never scored with another."""
+    (config_sentence_transformers.json `similarity_fn_name`): its default where it names none (cosine for dense
+    vectors, dot for sparse ones, as sentence-transformers picks). One WDE does not score with is refused at build
+    by name, never scored with another (sentence-transformers falls back to its default for a name it does not
+    know)."""
     config = ctx.source.read_json("config_sentence_transformers.json") or {}
     name = config.get("similarity_fn_name") if isinstance(config, dict) else None
     if name is None:
         return "dot" if output == "sparse" else "cosine"
-    name = "dot" if name == "dot_product" else name
     known = SIMILARITIES if output == "dense" else tuple(s for s in SIMILARITIES if s != "cosine")
     if name not in known:
         raise ModelLoadError(f"{ctx.source.path / 'config_sentence_transformers.json'}: similarity_fn_name {name!r}"
                              f" is not a similarity WDE scores {output} vectors with (it scores {', '.join(known)});"
-                             " set scorer.name to one of them (or none) to serve the model anyway")
+                             " to serve the model anyway, name its scorer: --set scorer.name=NAME (one of those,"
+                             " or none)")
     return name
 
 
