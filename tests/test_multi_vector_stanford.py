@@ -192,3 +192,20 @@ def test_backbone_not_served_is_refused_naming_the_choices(tmp_path: Path) -> No
     (folder / "config.json").write_text(json.dumps({"architectures": ["HF_ColBERT"], "model_type": "distilbert"}))
     with pytest.raises(RegistryError, match="HF_ColBERT .* on model_type 'distilbert'; WDE serves it on bert"):
         resolve(None, folder)
+
+
+def test_cli_refuses_a_setting_in_one_line(backbone: Path, tmp_path: Path) -> None:
+    """`wde embed` on a folder with a setting WDE does not implement: exit 1, one line naming the file and the
+    setting."""
+    from click.testing import CliRunner
+
+    from wde.cli import main
+
+    folder = stanford(backbone, tmp_path / "l2", {**COLBERTV2, "similarity": "l2"})
+    src = tmp_path / "in.txt"
+    src.write_text("hello\n", encoding="utf-8")
+    done = CliRunner().invoke(main, ["embed", "-m", str(folder), "--input", str(src), "--output",
+                                     str(tmp_path / "out.parquet"), "--outputs", "colbert"])
+    assert done.exit_code == 1
+    lines = [line for line in done.output.splitlines() if "artifact.metadata" in line]
+    assert len(lines) == 1 and "similarity 'l2' is not implemented" in lines[0], done.output

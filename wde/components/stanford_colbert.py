@@ -66,7 +66,7 @@ def is_stanford_folder(source: "ModelSource") -> bool:
         modules = source.read_json("modules.json")
     except ModelLoadError:
         return False
-    return (isinstance(config, dict) and ARCHITECTURE in (config.get("architectures") or []) and modules is None)
+    return isinstance(config, dict) and ARCHITECTURE in (config.get("architectures") or []) and modules is None
 
 
 def read_stanford(source: "ModelSource") -> "MultiVectorConfig":
