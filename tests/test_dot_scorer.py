@@ -2,8 +2,8 @@
 `similarity_fn_name`: a dense sentence-transformers folder saved with "dot" (no Normalize module, so dot and cosine
 differ), "euclidean" and "manhattan", and a SPLADE SparseEncoder folder (sparse dot product, its default) score on
 `Engine.score` and on every scoring route (/rerank in its shapes, /v1/rerank, /v2/rerank, TEI /rerank, /v1/score,
-/similarity) what sentence-transformers' `similarity` gives (<= 1e-4 relative); a similarity WDE does not score
-with is refused at build, by name."""
+/similarity; SPLADE also through a split engine's API server) what sentence-transformers' `similarity` gives (<= 1e-4
+relative); a similarity WDE does not score with is refused at build, by name."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.test_scorer import DOCS, QUERY, assert_routes_score
-from tests.test_server import serve
+from tests.test_server import serve, serve_split
 from tests.test_splade import build_mlm, build_sparse_encoder
 from wde import Engine
 from wde.components.scorer import CosineScorer, DotScorer, EuclideanScorer, ManhattanScorer
@@ -106,6 +106,12 @@ def test_splade_scores_the_sparse_dot_product(splade: Path) -> None:
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
         with serve(engine, model="m") as (url, _):
             assert_routes_score(url, want[0], 1e-4, 1e-6)
+
+
+def test_split_engine_scores_splade_as_one_does(splade: Path) -> None:
+    """The dot scorer travels to the API server in EngineInfo and scores the sparse weights there."""
+    with serve_split(splade, 1, "--served-model-name", "m") as (url, _):
+        assert_routes_score(url, st_sparse(splade, [QUERY], DOCS)[0], 1e-4, 1e-6)
 
 
 def test_sparse_scores_by_key_whatever_the_order() -> None:
