@@ -287,3 +287,55 @@ def test_run_time_loading_needs_adapters_enabled(bert_adapters: dict[str, Path])
     with Engine.from_workflow(None, minilm()) as engine:
         with pytest.raises(ModelLoadError, match="lora.enable=true"):
             engine.load_lora_adapter("first", bert_adapters["first"])
+
+
+# --- the other encoders: XLM-R and ModernBERT, against peft on transformers' model ----------------------------
+
+def peft_mean(base: str, adapter: Path | None, texts: list[str]) -> np.ndarray:
+    """Mean of the last hidden states of each text alone (no padding), through peft's `PeftModel`."""
+    from peft import PeftModel
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(base, attn_implementation="eager").eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
+    tok = AutoTokenizer.from_pretrained(base)
+    with torch.no_grad():
+        return np.stack([model(**tok(t, return_tensors="pt"))[0][0].mean(0).numpy() for t in texts])
+
+
+def encoder_folder(kind: str, out: Path) -> str:
+    from tests.tiny_models import build_xlmr
+
+    if kind == "xlm_roberta":
+        return str(build_xlmr(out))
+    from tests.test_modernbert import build
+
+    return str(build(out))
+
+
+ENCODER_TARGETS = {
+    "xlm_roberta": ["query", "key", "value", "dense", "word_embeddings"],  # dense: attention output, MLP and pooler
+    "modernbert": ["Wqkv", "Wo", "Wi", "tok_embeddings"],  # fused q|k|v and input|gate projections, whole
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ENCODER_TARGETS))
+def test_encoder_adapters_mixed_in_one_batch_match_peft(kind: str, tmp_path: Path) -> None:
+    base = encoder_folder(kind, tmp_path / "m")
+    adapters = {f"a{i}": make_adapter(base, tmp_path / f"a{i}", 30 + i, r=2 + 2 * i, lora_alpha=4,
+                                      target_modules=ENCODER_TARGETS[kind]) for i in range(2)}
+    texts = [t[:120] for t in varied_texts(4, seed=8)]  # within the tiny tokenizers' 128 tokens
+    engine = Engine.from_workflow(kind, base, lora_modules=adapters, overrides=["pooler.params.pooling=mean",
+                                                                                "pooler.params.normalize=false"])
+    try:
+        names: list[str | None] = [None, *adapters]
+        out, batches = run_mixed(engine, [(t, n) for t in texts for n in names])
+        assert len(batches) == 1
+        for name in names:
+            want = peft_mean(base, None if name is None else adapters[name], texts)
+            got = np.stack([out[(t, name)] for t in texts])
+            assert np.abs(got - want).max() <= TOL, (kind, name)
+        assert np.abs(np.stack([out[(t, "a0")] for t in texts]) - np.stack([out[(t, None)] for t in texts])).max() > 1e-3
+    finally:
+        engine.close()
