@@ -214,11 +214,18 @@ def test_folder_settings_not_implemented_are_refused(folders: dict[str, Path], t
     (fixed / "processor_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="do_resize is false"):
         Engine.from_workflow(None, fixed)
+    moved = shutil.copytree(folders["colqwen2"], tmp_path / "moved")
+    cfg = json.loads((moved / "config.json").read_text())
+    cfg["vlm_config"]["image_token_id"] = 7
+    (moved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="vlm_config.image_token_id is 7"):
+        Engine.from_workflow(None, moved)
 
 
 def test_workflow_settings_it_does_not_take_are_refused(folders: dict[str, Path]) -> None:
     for override, match in (("attention.params.causal=true", "transformers' own attention"),
-                            ("model.params.cpu_linear=onednn", "cpu_linear"),
+                            ("model.params.cpu_linear=onednn", "model.params cpu_linear: not taken"),
+                            ("model.params.lora.enable=true", "model.params lora: not taken"),
                             ("request_processor.params.pad_text=max_length", "pad_text")):
         with pytest.raises(ModelLoadError, match=match):
             Engine.from_workflow(None, folders["colpali"], overrides=[override])

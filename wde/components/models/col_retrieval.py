@@ -26,12 +26,17 @@ import torch
 from torch import nn
 
 from wde.components.base import BuildContext, Component
-from wde.components.col_retrieval import FAMILIES, qwen2_vl_images
+from wde.components.col_retrieval import qwen2_vl_images
+from wde.components.col_retrieval_input import FAMILIES
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.base import resolve_device, resolve_dtype
 from wde.components.params import ModelParams
 from wde.components.pooler import segment_ids
 from wde.errors import ModelLoadError, one_line
+
+
+TAKEN = ("dtype", "device")
+"""The model params this component reads; any other set away from its default is refused by name."""
 
 
 class ColRetrievalModel(nn.Module, Component):
@@ -51,9 +56,12 @@ class ColRetrievalModel(nn.Module, Component):
         if self.family not in FAMILIES:
             raise ModelLoadError(f"model 'col_retrieval' serves config model_type colpali or colqwen2; {ctx.source.path}"
                                  f" is {self.family!r}")
-        if params.mixed_precision is True or params.cpu_linear == "onednn" or params.mixed_precision_kernels != "auto":
-            raise ModelLoadError("model.params mixed_precision, cpu_linear and mixed_precision_kernels are not taken by"
-                                 " model 'col_retrieval' (it runs transformers' modules as they are); set dtype only")
+        fields = type(params).model_fields
+        changed = [n for n in fields if n not in TAKEN and getattr(params, n) != fields[n].default]
+        if changed:
+            raise ModelLoadError(f"model.params {', '.join(changed)}: not taken by model 'col_retrieval' (it runs"
+                                 f" transformers' modules as they are: no WDE linear kernels, mixed precision or LoRA);"
+                                 f" it takes {' and '.join(TAKEN)}")
         attention = ctx.attention
         if attention.name != "auto" or getattr(attention.params, "causal", None) is not None:
             raise ModelLoadError("attention: model 'col_retrieval' runs transformers' own attention (its masks as the"
@@ -66,6 +74,11 @@ class ColRetrievalModel(nn.Module, Component):
         self.pad_id = int(getattr(text, "pad_token_id", None) or 0)
         self.image_token_id = int(cfg.vlm_config.image_token_id if self.family == "colqwen2"
                                   else cfg.vlm_config.image_token_index)
+        tokenizer_id = getattr(ctx.input_processor, "image_token_id", None)
+        if tokenizer_id is not None and tokenizer_id != self.image_token_id:
+            key = "image_token_id" if self.family == "colqwen2" else "image_token_index"
+            raise ModelLoadError(f"{ctx.source.path}: the tokenizer's image token is id {tokenizer_id} but"
+                                 f" vlm_config.{key} is {self.image_token_id}")
 
     def _load(self, ctx: BuildContext) -> nn.Module:
         import transformers
