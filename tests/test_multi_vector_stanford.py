@@ -1,7 +1,7 @@
 """Stanford-NLP ColBERT folders (config.json: `HF_ColBERT`, the projection `linear.weight` inline in the checkpoint,
 `artifact.metadata`) in the built-in multi_vector workflows, against sentence-transformers 6.2's reading of them
 (`MultiVectorEncoder(folder)`): each token matrix of `encode_query` / `encode_document` (same rows, <= 1e-4) with
-the defaults (no artifact.metadata), a colbertv2.0-style metadata file full of training and indexing settings,
+the defaults (no artifact.metadata, the weights in pytorch_model.bin), a colbertv2.0-style metadata file full of training and indexing settings,
 `attend_to_mask_tokens`, `mask_punctuation: false`, `doc_maxlen`, other marker tokens; queries and documents in one
 engine step and through a split engine's API server and core; MaxSim against `similarity`; BERT, XLM-R and ModernBERT backbones, each workflow picked from the folder;
 and what is refused, by name. The folders are written as Stanford's `colbert` library saves them
@@ -41,11 +41,12 @@ COLBERTV2 = {  # artifact.metadata as colbert-ir/colbertv2.0 ships it (its paths
     "meta": {"hostname": "host", "git_branch": "main", "git_hash": "0" * 40, "version": "colbert-v0.4"}}
 
 
-def stanford(base: Path, out: Path, metadata: dict | None, *, dim: int = DIM, seed: int = 2) -> Path:
+def stanford(base: Path, out: Path, metadata: dict | None, *, dim: int = DIM, seed: int = 2,
+             binary: bool = False) -> Path:
     """`base` (a saved backbone and its tokenizer) rewritten as `HF_ColBERT.save_pretrained` writes it: the
     backbone's weights under its `base_model_prefix` (`bert.`, `roberta.`, `model.`) and a random `linear.weight`
-    [dim, hidden] in one model.safetensors, config.json naming HF_ColBERT, the tokenizer files, and
-    `metadata` as artifact.metadata (none when None)."""
+    [dim, hidden] in one model.safetensors (pytorch_model.bin with `binary`, as older checkpoints ship),
+    config.json naming HF_ColBERT, the tokenizer files, and `metadata` as artifact.metadata (none when None)."""
     from safetensors.torch import save_file
     from transformers import AutoModel
 
@@ -54,7 +55,10 @@ def stanford(base: Path, out: Path, metadata: dict | None, *, dim: int = DIM, se
     weights = {f"{model.base_model_prefix}.{k}": v.contiguous() for k, v in model.state_dict().items()}
     torch.manual_seed(seed)
     weights["linear.weight"] = torch.randn(dim, model.config.hidden_size) / 4
-    save_file(weights, str(out / "model.safetensors"))
+    if binary:
+        torch.save(weights, out / "pytorch_model.bin")
+    else:
+        save_file(weights, str(out / "model.safetensors"))
     model.config.architectures = ["HF_ColBERT"]
     model.config.save_pretrained(out)
     for f in base.iterdir():
@@ -71,7 +75,7 @@ def backbone(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path) -> Pat
 
 
 VARIANTS = {
-    "no-metadata": None,
+    "no-metadata-binary": None,
     "colbertv2-metadata": COLBERTV2,
     "attend-no-punctuation-mask": {"query_maxlen": 10, "attend_to_mask_tokens": True, "mask_punctuation": False},
     "other-markers-doc-maxlen": {"query_token_id": "[unused2]", "doc_token_id": "[unused3]", "doc_maxlen": 20,
@@ -82,7 +86,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_matches_sentence_transformers(variant: str, backbone: Path, tmp_path: Path) -> None:
-    folder = stanford(backbone, tmp_path / variant, VARIANTS[variant])
+    folder = stanford(backbone, tmp_path / variant, VARIANTS[variant], binary=variant.endswith("binary"))
     st = st_model(folder)
     # the reference really read the Stanford layout: the inline projection, the mask and normalize appended
     assert [type(m).__name__ for m in st] == ["Transformer", "Dense", "MultiVectorMask", "Normalize"]
