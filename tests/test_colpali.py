@@ -226,7 +226,8 @@ def test_workflow_settings_it_does_not_take_are_refused(folders: dict[str, Path]
     for override, match in (("attention.params.causal=true", "transformers' own attention"),
                             ("model.params.cpu_linear=onednn", "model.params cpu_linear: not taken"),
                             ("model.params.lora.enable=true", "model.params lora: not taken"),
-                            ("request_processor.params.pad_text=max_length", "pad_text")):
+                            ("request_processor.params.pad_text=max_length", "pad_text"),
+                            ("tokenizer.params.add_eos=true", "add_eos")):
         with pytest.raises(ModelLoadError, match=match):
             Engine.from_workflow(None, folders["colpali"], overrides=[override])
 

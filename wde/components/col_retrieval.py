@@ -56,6 +56,10 @@ class ColRetrievalTokenize(ImageTextRequestProcessor):
         if params.pad_text != "none":
             raise ModelLoadError("request_processor.params.pad_text is not taken by ColPali / ColQwen2 (queries are"
                                  " never padded: padding would change their vectors)")
+        tok = getattr(ctx.tokenizer, "params", None)
+        if getattr(tok, "add_eos", False) or getattr(tok, "padding_side", None) is not None:
+            raise ModelLoadError("tokenizer.params add_eos and padding_side are not taken by ColPali / ColQwen2 (queries"
+                                 " and pages are tokenized as their processors render them, never padded)")
         super().__init__(params, ctx)
         self.input: ColRetrievalInput = ctx.input_processor
         if not isinstance(self.input, ColRetrievalInput):
