@@ -32,7 +32,6 @@ _BUILTINS: tuple[tuple[str, str, str, type[Params]], ...] = (
     ("input_processor", "instruction_pair", "reranker_prompt:InstructionPairInput", InstructionPairParams),
     ("input_processor", "image_text_input", "image_input:ImageTextInputProcessor", ImageTextInputParams),
     ("input_processor", "multi_vector_input", "multi_vector:MultiVectorInput", TextInputParams),
-    ("input_processor", "col_retrieval_input", "col_retrieval:ColRetrievalInput", ImageTextInputParams),
     ("input_processor", "col_retrieval_input", "col_retrieval_input:ColRetrievalInput", ImageTextInputParams),
     ("request_processor", "lazy_tokenize", "request_processor:LazyTokenizeRequestProcessor", LazyTokenizeParams),
     ("request_processor", "image_text", "multimodal:ImageTextRequestProcessor", ImageTextRequestParams),
