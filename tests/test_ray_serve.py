@@ -117,6 +117,27 @@ def test_engine_load_counts_queued_and_running_inputs_and_tokens(tiny_bert: Path
         assert engine.load() == EngineLoad(0, 0, 0, 0)
 
 
+def test_metrics_expose_the_engine_load_per_model() -> None:
+    """/metrics' autoscaler gauges read `load` at scrape time (an engine in this process) or are written by the
+    engine core after each step (`on_core_step`, split mode)."""
+    from types import SimpleNamespace
+
+    from wde.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    engine = SimpleNamespace(info=SimpleNamespace(token_budget=2048), queue_depth=3, num_restarts=0, num_pending=5,
+                             active_calls=2, num_aborted=0, healthy=True, seconds_since_step=0.1,
+                             load=EngineLoad(queued_inputs=3, queued_tokens=40, running_inputs=2, running_tokens=90))
+    metrics.for_model("a").bind(engine)
+    metrics.for_model("b").on_core_step(EngineLoad(7, 70, 1, 11), restarts=0)
+    text = metrics.render().decode()
+    for line in ('wde_queue_depth{model="a"} 3.0', 'wde_queued_tokens{model="a"} 40.0',
+                 'wde_running_inputs{model="a"} 2.0', 'wde_running_tokens{model="a"} 90.0',
+                 'wde_queue_depth{model="b"} 7.0', 'wde_queued_tokens{model="b"} 70.0',
+                 'wde_running_inputs{model="b"} 1.0', 'wde_running_tokens{model="b"} 11.0'):
+        assert line in text, line
+
+
 def st_vectors(path: Path, texts: list[str]) -> np.ndarray:
     from sentence_transformers import SentenceTransformer
 
@@ -143,7 +164,8 @@ def test_routes_through_rays_proxy_equal_sentence_transformers(cluster: str, min
         assert r.status_code == 422 and "2048" in r.text
         assert client.get("/health").status_code == 200
         metrics = client.get("/metrics").text
-        for series in ("wde_queue_depth", "wde_active_requests"):
+        for series in ("wde_queue_depth", "wde_queued_tokens", "wde_running_inputs", "wde_running_tokens",
+                       "wde_active_requests"):
             assert series in metrics, series
     serve.delete("parity")
 

@@ -11,6 +11,9 @@ own engine, with its own queue and token budget, `wde_token_budget`, and its wei
 
 `wde_engine_seconds_since_step` is read from the engine's heartbeat when scraped (an API server reads the core's), so it keeps growing while the core is frozen.
 
+What an autoscaler reads (KEDA, an HPA, Ray Serve's autoscaling: docs/scaling.md): `wde_queue_depth` and
+`wde_queued_tokens` (waiting), `wde_running_inputs` and `wde_running_tokens` (on the device), from `Engine.load`.
+
 Tokens per second is `rate(wde_prompt_tokens_total[1m])`; the mean server-formed batch size is
 `wde_batch_size_sum / wde_batch_size_count` (per model; `sum without (model)` for the server).
 """
@@ -21,7 +24,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values
 
-from wde.engine import BatchStats
+from wde.engine import BatchStats, EngineLoad
 from wde.request import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -64,6 +67,13 @@ class ServerMetrics:
         self.inputs = Counter("wde_inputs", "inputs processed (one request may carry many)", ENGINE, registry=r)
         self.queue_depth = Gauge("wde_queue_depth", "inputs waiting to be scheduled", ENGINE, registry=r,
                                  multiprocess_mode="livesum")
+        self.queued_tokens = Gauge("wde_queued_tokens", "tokens of the waiting inputs tokenized so far (the"
+                                   " scheduler tokenizes about a batch ahead; wde_queue_depth counts every input)",
+                                   ENGINE, registry=r, multiprocess_mode="livesum")
+        self.running_inputs = Gauge("wde_running_inputs", "inputs in batches on the device", ENGINE, registry=r,
+                                    multiprocess_mode="livesum")
+        self.running_tokens = Gauge("wde_running_tokens", "tokens in batches on the device", ENGINE, registry=r,
+                                    multiprocess_mode="livesum")
         self.pending = Gauge("wde_pending_inputs", "inputs accepted and not answered yet", ENGINE, registry=r,
                              multiprocess_mode="livesum")
         self.active = Gauge("wde_active_requests", "HTTP requests being served by the engine", ENGINE, registry=r,
@@ -121,11 +131,12 @@ class ModelMetrics:
         m = metrics
         (self.queue_time, self.inference_time, self.batch_size, self.batch_tokens, self.prompt_tokens,
          self.device_seconds, self.inputs, self.queue_depth, self.pending, self.active, self.aborted, self.restarts,
-         self.healthy, self.since_step, self.timeouts, self.token_budget, self.weight_bytes) = (
+         self.healthy, self.since_step, self.timeouts, self.token_budget, self.weight_bytes, self.queued_tokens,
+         self.running_inputs, self.running_tokens) = (
             series.labels(model) for series in (
                 m.queue_time, m.inference_time, m.batch_size, m.batch_tokens, m.prompt_tokens, m.device_seconds,
                 m.inputs, m.queue_depth, m.pending, m.active, m.aborted, m.restarts, m.healthy, m.since_step,
-                m.timeouts, m.token_budget, m.weight_bytes))
+                m.timeouts, m.token_budget, m.weight_bytes, m.queued_tokens, m.running_inputs, m.running_tokens))
 
     def bind(self, engine: Any) -> None:
         """Gauges read the live engine (an `AsyncEngine`, or an API server's `CoreClient`) at scrape time; in
@@ -138,6 +149,10 @@ class ModelMetrics:
             return
         self.queue_depth.set_function(lambda: engine.queue_depth)
         self.restarts.set_function(lambda: engine.num_restarts)
+        if hasattr(engine, "load"):  # an engine in this process (an API server's client reads the core's queue)
+            self.queued_tokens.set_function(lambda: engine.load.queued_tokens)
+            self.running_inputs.set_function(lambda: engine.load.running_inputs)
+            self.running_tokens.set_function(lambda: engine.load.running_tokens)
         for gauge, read in self._api_gauges(engine):
             gauge.set_function(read)
 
@@ -157,9 +172,12 @@ class ModelMetrics:
         """Record the bytes of `model`'s weights, where the engine is loaded (`weight_bytes`)."""
         self.weight_bytes.set(weight_bytes(model))
 
-    def on_core_step(self, queue_depth: int, restarts: int) -> None:
+    def on_core_step(self, load: EngineLoad, restarts: int) -> None:
         """The engine core's gauges, written after each step."""
-        self.queue_depth.set(queue_depth)
+        self.queue_depth.set(load.queued_inputs)
+        self.queued_tokens.set(load.queued_tokens)
+        self.running_inputs.set(load.running_inputs)
+        self.running_tokens.set(load.running_tokens)
         self.restarts.set(restarts)
         self.healthy.set(1.0)
 

@@ -429,8 +429,7 @@ def _core_main(config: ServerConfig, index: int, address: str, ready: Connection
         metrics.token_budget.set(engine.info.token_budget)
     engine.on_batch = metrics.on_batch
     with engine:
-        core = EngineCore(engine, address, on_step=lambda c: metrics.on_core_step(
-            int(getattr(c.engine.scheduler, "num_waiting", 0)), c.restarts.used))
+        core = EngineCore(engine, address, on_step=lambda c: metrics.on_core_step(c.engine.load(), c.restarts.used))
         _stop_on_launcher_signal(core, launcher)
         ready.send(("ready", engine.info))
         ready.close()
