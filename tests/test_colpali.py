@@ -318,3 +318,20 @@ def test_split_engine_serves_pages_and_queries(folders: dict[str, Path], engines
     got = [item["data"] for item in r.json()["data"] + r2.json()["data"]]
     for g, w in zip(got, want):
         assert np.abs(np.array(g, dtype=np.float32) - w.outputs["colbert"]).max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_cut_over_cpu_streams_changes_nothing(folders: dict[str, Path], family: str) -> None:
+    """A batch of queries and pages split into pieces (the runner's CPU streams, each piece its own padded runs):
+    every input's vectors are the ones it gets alone."""
+    inputs = [x for i in range(6) for x in (QUERIES[i % len(QUERIES)] + f" {i}", page_image(30 + 17 * i, 44, seed=i))]
+    with Engine.from_workflow(None, folders[family],
+                              runner={"params": {"cpu_streams": 2, "cpu_stream_min_tokens": 32}}) as engine:
+        batches: list = []
+        engine.on_batch = batches.append
+        together = engine.encode(inputs)
+        engine.on_batch = None
+        assert [b.num_requests for b in batches] == [len(inputs)]
+        for x, out in zip(inputs, together):
+            alone = engine.encode([x])[0].outputs["colbert"]
+            assert np.abs(alone - out.outputs["colbert"]).max() <= 1e-5
