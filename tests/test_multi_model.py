@@ -157,6 +157,31 @@ def test_jina_task_is_refused_by_name_for_a_model_without_a_task_option(two: str
     assert late.status_code == 422 and "task" in late.text
 
 
+def test_jina_encoding_fields_change_the_answer_as_they_ask(two: str, expected: dict[str, np.ndarray]) -> None:
+    """Jina's embedding_type and normalized are honoured, not ignored (each changes the vectors)."""
+    def post(**fields: object) -> httpx.Response:
+        return httpx.post(f"{two}/v1/embeddings", json={"model": "embedder", "input": TEXTS, **fields})
+
+    def data(response: httpx.Response) -> list:
+        assert response.status_code == 200, response.text
+        return [d["embedding"] for d in response.json()["data"]]
+
+    assert data(post(embedding_type="binary")) == data(post(embed_dtype="binary"))
+    assert data(post(embedding_type="ubinary")) == data(post(embed_dtype="ubinary"))
+    assert data(post(embedding_type="base64")) == data(post(encoding_format="base64"))
+    assert np.abs(np.array(data(post(embedding_type="float"))) - expected["vectors"]).max() <= TOL
+    both = post(embedding_type="binary", embed_dtype="int8")
+    assert both.status_code == 422 and "embedding_type" in both.text and "embed_dtype" in both.text
+    raw = np.array(data(post(normalized=False)))
+    assert np.abs(np.linalg.norm(raw, axis=1) - 1).min() > 1e-2  # MiniLM's mean-pooled vectors, not unit length
+    assert np.abs(raw / np.linalg.norm(raw, axis=1, keepdims=True) - expected["vectors"]).max() <= TOL
+    assert np.abs(np.array(data(post(normalized=True))) - expected["vectors"]).max() <= TOL
+    chunked = httpx.post(f"{two}/v1/embeddings", json={"model": "embedder", "input": ["one chunk", "and two"],
+                                                        "late_chunking": True, "normalized": False})
+    assert chunked.status_code == 200
+    assert abs(np.linalg.norm(chunked.json()["data"][0]["embedding"]) - 1) > 1e-2
+
+
 def test_jina_task_maps_onto_a_multi_vector_models_task_option(minilm_path: Path,
                                                                tmp_path_factory: pytest.TempPathFactory) -> None:
     from tests.test_multi_vector import classic_colbert

@@ -87,6 +87,7 @@ async def late_chunks(request: Request, raw: dict) -> tuple[Service, LateChunkin
     if not cut["truncate"] and svc.long_inputs(None).get("truncate"):
         cut["truncate"] = True  # the server's --long-inputs truncate; chunked processing is not for late chunking
     params = PoolingParams(**cut, prompt_name=body.prompt_name, dimensions=body.dimensions or None,
+                           normalize=body.normalized,
                            options=svc.jina_task(body.task, body.options))
     limit = min(svc.info.max_length, svc.info.token_budget or svc.info.max_length)
 

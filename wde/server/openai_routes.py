@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -28,6 +28,8 @@ from wde.server.service import Result, ServedModels, Service, model_service, to_
 from wde.server.truncation import truncation
 
 router = APIRouter()
+
+T = TypeVar("T", bound=EmbeddingOptions)
 
 
 def service(request: Request, model: str | None = None) -> Service:
@@ -53,6 +55,7 @@ async def embeddings(request: Request) -> JSONResponse:
     raw = await read_json(request)
     if asked(raw):  # late chunking: one vector per chunk of a document (wde/server/late_chunking.py)
         svc, body, chunks, result = await late_chunks(request, raw)
+        body = jina_encoding(body)
         vectors = quantize_rows([c.vector for c in chunks], body.embed_dtype, svc.config.quantization_ranges,
                                 "embed_dtype")
         return _list_response(svc, [{"object": "embedding", "embedding": encode_vector(v, body.encoding_format),
@@ -94,7 +97,8 @@ async def embeddings(request: Request) -> JSONResponse:
 async def _embed(request: Request, svc: Service, body: EmbeddingOptions, inputs: list, names: list[str],
                  images: bool = False) -> JSONResponse:
     """Embed `inputs` with the body's options, in OpenAI's list envelope."""
-    params = PoolingParams(**long_inputs(svc, truncation(body, svc.info.max_length, body.truncate)),
+    body = jina_encoding(body)
+    params = PoolingParams(normalize=body.normalized, **long_inputs(svc, truncation(body, svc.info.max_length, body.truncate)),
                            prompt_name=body.prompt_name, dimensions=body.dimensions or None, outputs=("dense",),
                            options=svc.jina_task(body.task, body.options))
     result = await svc.run(request, inputs, params, "input", names, images=images)
@@ -102,6 +106,22 @@ async def _embed(request: Request, svc: Service, body: EmbeddingOptions, inputs:
     data = [{"object": "embedding", "embedding": encode_vector(v, body.encoding_format), "index": i}
             for i, v in enumerate(vectors)]
     return _list_response(svc, data, result)
+
+
+def jina_encoding(body: T) -> T:
+    """`body` with Jina's `embedding_type` as the encoding_format / embed_dtype that give its answer: base64 is
+    OpenAI's base64 (float32 bytes), binary / ubinary the packed bits of embed_dtype binary / ubinary. Both ways
+    given at once is a 422 naming embedding_type, rather than one silently winning."""
+    kind = body.embedding_type
+    if kind is None:
+        return body
+    both = sorted({"encoding_format", "embed_dtype"} & body.model_fields_set)
+    if both:
+        raise ApiError("validation", f"embedding_type {kind!r} (Jina's) and {' and '.join(both)} both say how to"
+                       " encode the vectors; send one", "embedding_type")
+    if kind == "base64":
+        return body.model_copy(update={"encoding_format": "base64"})
+    return body.model_copy(update={"embed_dtype": kind}) if kind != "float" else body
 
 
 def long_inputs(svc: Service, cut: dict[str, Any]) -> dict[str, Any]:

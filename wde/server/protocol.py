@@ -66,6 +66,11 @@ class EmbeddingOptions(PromptTruncation, RequestOptions):
     task: str | None = None
     """Jina's: what the inputs are for ("retrieval.query", "retrieval.passage"...), the model's `task` option
     (Service.jina_task); refused by name for a model that takes none, rather than ignored."""
+    embedding_type: Literal["float", "base64", "binary", "ubinary"] | None = None
+    """Jina's: the vectors as floats, as base64 float32 bytes (encoding_format base64) or as packed bits
+    (embed_dtype binary / ubinary); with encoding_format or embed_dtype too it is refused (openai_routes)."""
+    normalized: bool | None = None
+    """Jina's: unit-length vectors (true) or the pooled ones as they are (false); left out: the model's own."""
 
 
 class EmbeddingRequest(EmbeddingOptions):
