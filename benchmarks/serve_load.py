@@ -108,8 +108,13 @@ async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host
     await writer.drain()
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
-    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
-    await reader.readexactly(length)
+    length = re.search(rb"(?i)content-length: *(\d+)", head)
+    if length is not None:
+        await reader.readexactly(int(length.group(1)))
+        return status
+    while size := int((await reader.readuntil(b"\r\n")).strip(), 16):  # chunked (Ray Serve's proxy streams)
+        await reader.readexactly(size + 2)
+    await reader.readuntil(b"\r\n")
     return status
 
 
@@ -161,7 +166,7 @@ def counters(url: str) -> dict[str, float]:
     """WDE's batch, token and device-time counters from /metrics."""
     text = httpx.get(f"{url}/metrics").text
     names = ("wde_batch_size_sum", "wde_batch_size_count", "wde_prompt_tokens_total", "wde_device_seconds_total")
-    found = {n: re.search(rf"^{n} (\S+)$", text, re.M) for n in names}
+    found = {n: re.search(rf"^{n}(?:{{[^}}]*}})? (\S+)$", text, re.M) for n in names}  # by model label or not
     return {n: float(m.group(1)) if m else 0.0 for n, m in found.items()}
 
 
