@@ -72,7 +72,7 @@ def test_args_are_validated_and_refused_by_name() -> None:
     assert config.overrides == ["pooler.params.pooling=mean"] and config.max_concurrent_requests == 8
     assert config.token_id_inputs is False and config.allowed_origins == ("https://a.example", "https://b.example")
     assert options.autoscaling_config == {"min_replicas": 1, "max_replicas": 4}
-    assert options.ray_actor_options == {"num_gpus": 0.25} and options.max_ongoing_requests == 64
+    assert options.ray_actor_options == {"num_gpus": 0.25} and options.max_ongoing_requests == 8
     config, _ = parse_model({"model": "m", "max_image_pixels": "1000", "set": '["a.b=1", "c.d=2"]'})
     assert config.overrides == ["a.b=1", "c.d=2", "input_processor.params.max_image_pixels=1000"]
     refusals = {
@@ -93,6 +93,25 @@ def test_args_are_validated_and_refused_by_name() -> None:
         build_app({"models": [{"model": "a"}, {"model": "b", "sett": "x=1"}]})
     with pytest.raises(RayServeArgsError, match="models: give a list"):
         build_app({"models": []})
+    _, options = parse_model({"max_concurrent_requests": 16})
+    assert options.max_ongoing_requests == 16  # Ray holds back what the app would answer 429
+
+
+def test_router_refuses_two_models_called_alike() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from wde.ray_serve import Router
+
+    def handle(*names: str) -> SimpleNamespace:
+        async def remote() -> tuple[str, ...]:
+            return names
+
+        return SimpleNamespace(names=SimpleNamespace(remote=remote))
+
+    router = Router.__new__(Router)
+    with pytest.raises(RayServeArgsError, match=r"'b' names models\[0\] and models\[1\]"):
+        asyncio.run(router.__init__([handle("a", "b"), handle("b", "c")], [None, None]))
 
 
 def test_engine_load_counts_queued_and_running_inputs_and_tokens(tiny_bert: Path) -> None:
@@ -266,6 +285,52 @@ def test_several_models_behind_one_router(cluster: str, tmp_path: Path) -> None:
         assert r.status_code == 404 and "'alpha', 'beta'" in r.json()["error"]["message"]
         assert {m["id"] for m in client.get("/v1/models").json()["data"]} == {"alpha", "beta"}
         assert client.get("/health").status_code == 200
+        assert 'wde_queue_depth{model="beta"}' in client.get("/metrics", params={"model": "beta"}).text
     r = httpx.post(f"{cluster}/v1/embeddings", json={"model": "gamma", "input": "x"}, timeout=120)
     assert r.status_code == 401  # without the key the router leaks no model names
     serve.delete("many")
+
+
+def test_rolling_update_loses_no_request(cluster: str, tmp_path: Path) -> None:
+    """Deploying a new model version under load: every request is answered 200, first by the old model's replicas,
+    then by the new one's."""
+    from wde import Engine
+
+    old, new = tiny_models.build_bert(tmp_path / "v1", seed=3), tiny_models.build_bert(tmp_path / "v2", seed=4)
+    text = "the same text, old and new"
+    versions = {}
+    for name, path in (("v1", old), ("v2", new)):
+        with Engine.from_workflow(None, path, overrides=[MEAN]) as engine:
+            versions[name] = engine.embed([text])[0]
+    args = {"set": MEAN, "served_model_name": "m", "ray_actor_options": REPLICA, "num_replicas": 2}
+    serve.run(build_app({**args, "model": old}), name="roll", route_prefix="/")
+    answers: list = []
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(timeout=120) as c:
+            while not stop.is_set():
+                try:
+                    r = c.post(f"{cluster}/v1/embeddings", json={"model": "m", "input": text})
+                    answers.append(np.array(r.json()["data"][0]["embedding"]) if r.status_code == 200 else r.text)
+                except httpx.HTTPError as e:
+                    answers.append(repr(e))
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for("requests to flow", lambda: len(answers) >= 8)
+        serve.run(build_app({**args, "model": new}), name="roll", route_prefix="/")  # returns once v2 serves
+        done = len(answers)
+        wait_for("answers after the update", lambda: len(answers) >= done + 8)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(150)
+    failed = [a for a in answers if isinstance(a, str)]
+    assert not failed, failed[:3]
+    which = ["v1" if np.abs(a - versions["v1"]).max() <= 1e-5 else "v2" for a in answers]
+    assert which[0] == "v1" and which[-1] == "v2"
+    assert all(np.abs(a - versions[w]).max() <= 1e-5 for a, w in zip(answers, which))
+    serve.delete("roll")

@@ -65,7 +65,9 @@ class RayOptions(BaseModel):
     num_replicas: PositiveInt | Literal["auto"] | None = None
     autoscaling_config: dict[str, Any] | None = None
     ray_actor_options: dict[str, Any] | None = None
-    max_ongoing_requests: PositiveInt = DEFAULT_MAX_ONGOING
+    max_ongoing_requests: PositiveInt | None = None
+    """None: `DEFAULT_MAX_ONGOING`, or `max_concurrent_requests` where that is lower (Ray holds the rest back
+    rather than the app answering them 429)."""
 
     @field_validator("autoscaling_config", "ray_actor_options", mode="before")
     @classmethod
@@ -142,6 +144,8 @@ def parse_model(args: dict[str, Any], where: str = "") -> tuple[ServerConfig, Ra
         config = ServerConfig(overrides=overrides, **given)
     except ValueError as e:
         raise RayServeArgsError(f"{where}{e.name if isinstance(e, LimitError) else 'args'}: {e}") from None
+    if ray.max_ongoing_requests is None:
+        ray.max_ongoing_requests = min(DEFAULT_MAX_ONGOING, config.max_concurrent_requests)
     if ray.num_replicas not in (None, "auto") and ray.autoscaling_config is not None:
         raise RayServeArgsError(f"{where}num_replicas: give a number of replicas or autoscaling_config, not both")
     return config, ray
@@ -305,7 +309,7 @@ class Router:
                 return JSONResponse({"object": "list", "data": [m for a in answers for m in json.loads(a[2])["data"]]})
             answers = [bad or answers[0]]
         else:
-            name, index = _model_field(body), 0
+            name, index = _model_field(body) if body else request.query_params.get("model"), 0
             if name is not None:
                 index = self.by_name.get(name, -1)
                 if index < 0 and not self._authorized(request):
