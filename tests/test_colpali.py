@@ -335,3 +335,22 @@ def test_a_batch_cut_over_cpu_streams_changes_nothing(folders: dict[str, Path], 
         for x, out in zip(inputs, together):
             alone = engine.encode([x])[0].outputs["colbert"]
             assert np.abs(alone - out.outputs["colbert"]).max() <= 1e-5
+
+
+def test_cohere_embed_takes_pages_and_queries(url: str, engines: dict[str, Engine]) -> None:
+    """Cohere /v2/embed: `images` with input_type search_document (or image) and `texts` with search_query give the
+    token matrices; texts as search_document are refused by name."""
+    engine, images = engines["colqwen2"], pages()[:2]
+    want = engine.encode([QUERIES[0], *images])
+    r = post(url, "/v2/embed", {"model": "m", "images": [data_uri(b) for b in images],
+                                "input_type": "search_document", "embedding_types": ["float"]})
+    assert r.status_code == 200, r.text
+    q = post(url, "/v2/embed", {"model": "m", "texts": QUERIES[:1], "input_type": "search_query",
+                                "embedding_types": ["float"]})
+    assert q.status_code == 200, q.text
+    got = q.json()["embeddings"]["float"] + r.json()["embeddings"]["float"]
+    for g, w in zip(got, want):
+        assert np.abs(np.array(g, dtype=np.float32) - w.outputs["colbert"]).max() <= 1e-5
+    r = post(url, "/v2/embed", {"model": "m", "texts": QUERIES[:1], "input_type": "search_document",
+                                "embedding_types": ["float"]})
+    assert r.status_code == 422 and "options.task" in r.text
