@@ -300,6 +300,9 @@ def image_limit_overrides(**limits: float | None) -> list[str]:
 @click.option("--set", "overrides", multiple=True, metavar="[NAME:]KEY=VALUE",
               help="override a workflow value, e.g. scheduler.params.max_num_batched_tokens=8192 (repeatable): of"
                    " every model, or with NAME: of the model called NAME only")
+@click.option("--lora-modules", "lora_modules", multiple=True, metavar="NAME=PATH",
+              help="serve a PEFT LoRA adapter folder as model NAME (repeatable): requests naming it in `model` run"
+                   " with it, mixed in batches with the base model's (docs/adapters.md)")
 @click.option("--max-client-batch-size", default=2048, show_default=True, type=int,
               help="most inputs one request may carry (2048 is OpenAI's own limit); more is answered 422")
 @click.option("--max-concurrent-requests", default=512, show_default=True, type=int,
@@ -367,7 +370,8 @@ def image_limit_overrides(**limits: float | None) -> list[str]:
               help="log level; debug also prints the traceback of a start-up failure after its one line")
 def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str | None, host: str, port: int,
           grpc_port: int | None, api_key: str | None,
-          served_model_names: tuple[str, ...], overrides: tuple[str, ...], max_client_batch_size: int,
+          served_model_names: tuple[str, ...], overrides: tuple[str, ...], lora_modules: tuple[str, ...],
+          max_client_batch_size: int,
           max_concurrent_requests: int, payload_limit: int | None, trust_remote_code: bool, access_log: bool,
           quantization_ranges: str | None, api_servers: str, token_id_inputs: bool, long_inputs: str,
           max_embed_len: int | None, request_timeout: float,
@@ -402,6 +406,10 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
             served = with_overrides(load_serve_config(serve_config), every)
         else:
             served = from_options(models, workflows, served_model_names, every)
+        if lora_modules:
+            from wde.server.lora_routes import lora_module_overrides
+
+            served = with_overrides(served, lora_module_overrides(lora_modules, len(served)))
         config = ServerConfig(models=served, host=host, port=port, grpc_port=grpc_port,
                               api_key=api_key,
                               max_client_batch_size=max_client_batch_size,

@@ -20,7 +20,8 @@ import wde
 from wde.async_engine import AsyncEngine
 from wde.core.client import CoreClient
 from wde.engine import Engine
-from wde.server import cohere_routes, openai_routes, rerank_routes, score_routes, tei_routes, weaviate_routes
+from wde.server import (cohere_routes, lora_routes, openai_routes, rerank_routes, score_routes, tei_routes,
+                        weaviate_routes)
 from wde.server.config import ServerConfig
 from wde.server.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
 from wde.server.grpc import prepare as prepare_grpc
@@ -35,7 +36,7 @@ from wde.server.startup import StartupError, check_metrics_dir, listen, startup_
 from wde.server.timeouts import BodyTimeoutMiddleware, client_gone, http_protocol
 
 _ROUTERS = (openai_routes.router, score_routes.router, rerank_routes.router, cohere_routes.router, tei_routes.router,
-            weaviate_routes.router)
+            weaviate_routes.router, lora_routes.router)
 
 
 def create_app(engine: Engine | CoreClient | Sequence[Engine | CoreClient],

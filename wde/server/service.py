@@ -5,10 +5,11 @@ deadline (`--request-timeout`); `liveness` is what /health reports."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
@@ -16,6 +17,7 @@ from fastapi import Request
 
 from wde.async_engine import AsyncEngine, EngineOverloaded, EngineTimeout, EngineUnavailable, input_names
 from wde.components.image_input import ImageTextInputProcessor, is_image
+from wde.components.lora import ADAPTER_OPTION, NO_ADAPTER
 from wde.components.scorer import Scorer, scoring_plan
 from wde.core.client import CoreClient
 from wde.engine_info import EngineInfo
@@ -115,6 +117,8 @@ class Service:
         self.model_name = self.model_names[0]
         """What responses call the model: never a local path (a model folder is named by its last component)."""
         self.created = int(time.time())
+        self.adapter: str | None = None
+        """The LoRA adapter every request through this service runs with (`for_adapter`); None: the base model."""
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wde-tokenize-api")
         processor = engine.input_processor
         self.takes_images = isinstance(processor, ImageTextInputProcessor)
@@ -129,6 +133,28 @@ class Service:
         if config.allow_image_fetch and not self.takes_images:
             log.warning("--allow-image-fetch has no effect: workflow %r embeds text only, and images sent to it are"
                         " refused", self.info.workflow)
+
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters the model has loaded (docs/adapters.md), which requests select by naming them in
+        `model`; none where it takes no adapters."""
+        return self.info.options.get(ADAPTER_OPTION, (NO_ADAPTER,))[1:]
+
+    def for_adapter(self, name: str) -> "Service":
+        """This service as a request naming adapter `name` in `model` sees it: every input runs with the option
+        `adapter` set to it, and responses call the model `name` (vLLM's convention)."""
+        view = copy.copy(self)
+        view.adapter, view.model_name = name, name
+        return view
+
+    def with_adapter(self, params: PoolingParams) -> PoolingParams:
+        """`params` with this service's adapter as the option `adapter`; one contradicting it is a 422."""
+        if self.adapter is None:
+            return params
+        given = (params.options or {}).get(ADAPTER_OPTION, self.adapter)
+        if given != self.adapter:
+            raise ApiError("validation", f"options.adapter {given!r} contradicts the model named, adapter"
+                           f" {self.adapter!r}; send one", f"options.{ADAPTER_OPTION}")
+        return replace(params, options={**(params.options or {}), ADAPTER_OPTION: self.adapter})
 
     def long_inputs(self, truncate: bool | None) -> dict[str, Any]:
         """PoolingParams keyword arguments for what an over-long input gets: truncation when its request asks
@@ -270,6 +296,9 @@ class Service:
         a text field is refused rather than embedded as an image the API never said it takes.
         """
         start = time.perf_counter()
+        if self.adapter is not None:
+            params = (self.with_adapter(params) if isinstance(params, PoolingParams)
+                      else [self.with_adapter(p) for p in params])
         if not inputs:
             raise ApiError("empty", f"{field} is empty: send at least one input", field)
         self.check_batch_size(len(inputs), field)
@@ -382,6 +411,21 @@ class ServedModels:
         self.services = tuple(services)
         self.default = self.services[0]
         self.by_name: dict[str, Service] = {n: svc for svc in self.services for n in svc.model_names}
+        for svc in self.services:
+            for adapter in svc.adapters():
+                self.check_adapter_name(adapter, StartupError)
+
+    def check_adapter_name(self, name: str, error: Callable[[str], Exception], into: Service | None = None) -> None:
+        """Refuse a LoRA adapter name that a served model or another model's adapter already answers to (`into`:
+        the model it is being loaded into at run time, whose own adapters the load itself checks)."""
+        taken = self.by_name.get(name)
+        if taken is not None:
+            raise error(f"LoRA adapter {name!r} has the name of served model {taken.model_name!r}; name it otherwise")
+        owners = [svc.model_name for svc in self.services if name in svc.adapters()]
+        if into is not None and any(svc.engine is not into.engine and name in svc.adapters() for svc in self.services):
+            raise error(f"LoRA adapter {name!r} is loaded by model {owners[0]!r} already; name it otherwise")
+        if len(owners) > 1:
+            raise error(f"LoRA adapter {name!r} is loaded by models {owners[0]!r} and {owners[1]!r}; name them apart")
 
     def pick(self, name: str | None) -> Service:
         """The service of the model called `name` (the default where it is None, or infinity_client's "not
@@ -390,6 +434,9 @@ class ServedModels:
             return self.default
         found = self.by_name.get(name)
         if found is None:
+            for svc in self.services:  # a LoRA adapter's name: its model, running every input with the adapter
+                if name in svc.adapters():
+                    return svc.for_adapter(name)
             raise self.not_served(name)
         return found
 
@@ -398,7 +445,9 @@ class ServedModels:
         served = []
         for svc in self.services:
             aliases = ", ".join(repr(n) for n in svc.model_names[1:] if public_name(n) == n)
-            served.append(f"{svc.model_name!r}{f' (also accepted: {aliases})' if aliases else ''}")
+            adapters = ", ".join(repr(n) for n in svc.adapters())
+            served.append(f"{svc.model_name!r}{f' (also accepted: {aliases})' if aliases else ''}"
+                          f"{f' (LoRA adapters: {adapters})' if adapters else ''}")
         return ApiError("not_found", f"model {name!r} is not served here; this server serves {'; '.join(served)}",
                         "model")
 
