@@ -33,9 +33,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
 """Config `model_type` → its architecture, image processors and the processor's defaults (transformers 5.24's
 `ColPaliProcessor` / `ColQwen2Processor`), used where processor_config.json does not set them."""
 
-PROCESSOR_KEYS = frozenset({"processor_class", "image_processor", "query_prefix", "visual_prompt_prefix"})
-"""processor_config.json keys WDE implements; any other (a chat template, an option of a newer processor) is refused
-by name: the prompts would not be the ones the folder asks for."""
+PROCESSOR_KEYS = frozenset({"processor_class", "image_processor", "query_prefix", "visual_prompt_prefix",
+                            "chat_template"})
+"""processor_config.json keys WDE reads (a `chat_template` is allowed and unused: `process_queries` and
+`process_images` never apply one); any other (an option of a newer processor) is refused by name, as the inputs
+would not be the ones the folder asks for."""
 
 
 @dataclass(frozen=True)
