@@ -139,3 +139,30 @@ def test_only_the_tasks_present_are_served(tmp_path: Path) -> None:
     path = build_jina(tmp_path / "m", tasks=("text-matching",))
     with Engine.from_workflow(None, path) as engine:
         assert engine.info.options == {"task": ("none", "text-matching")}
+
+
+def test_jina_and_cohere_bodies_pick_the_task_over_http(jina_path: Path) -> None:
+    """Jina's `task` (/v1/embeddings) and Cohere's `input_type` (/v2/embed: search_query → retrieval.query,
+    search_document → retrieval.passage, clustering → separation) select the task adapter."""
+    import httpx
+
+    from tests.test_server import serve
+
+    engine = Engine.from_workflow(None, jina_path)
+    try:
+        with serve(engine) as (url, _):
+            for task, input_type in (("retrieval.query", "search_query"), ("retrieval.passage", "search_document"),
+                                     ("separation", "clustering"), ("classification", "classification")):
+                want = reference(jina_path, task, TEXTS)
+                jina = httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS, "task": task}, timeout=60)
+                assert jina.status_code == 200, jina.text
+                got = np.array([d["embedding"] for d in jina.json()["data"]])
+                assert np.abs(got - want).max() <= TOL, task
+                cohere = httpx.post(f"{url}/v2/embed", timeout=60, json={"texts": TEXTS, "input_type": input_type,
+                                                                         "embedding_types": ["float"]})
+                assert cohere.status_code == 200, cohere.text
+                assert np.abs(np.array(cohere.json()["embeddings"]["float"]) - want).max() <= TOL, input_type
+            bad = httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS, "task": "code.query"}, timeout=60)
+            assert bad.status_code == 422 and "retrieval.query" in bad.text
+    finally:
+        engine.close()

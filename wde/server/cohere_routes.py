@@ -172,7 +172,7 @@ async def _embed(request: Request, svc: Service, body: CohereEmbedRequest, route
     else:
         params = PoolingParams(**cohere_long_inputs(svc, body.truncate),
                                prompt_name=prompt_name(body.input_type, svc.prompts), dimensions=body.output_dimension,
-                               outputs=("dense",))
+                               options=svc.input_type_task(body.input_type), outputs=("dense",))
     await _resolve(request, svc, inputs)
     return inputs, await svc.run(request, inputs.items, params, inputs.field, inputs.names, images=True)
 

@@ -53,6 +53,9 @@ _KIND: dict[str, ErrorKind] = {"empty": "empty", "encoding": "bad_text", "too_lo
 
 JINA_TASKS = {"retrieval.query": "query", "retrieval.passage": "document"}
 """Jina's embedding tasks → the `task` option values of WDE's query/document workflows (multi_vector)."""
+COHERE_JINA_TASKS = {"search_query": "retrieval.query", "search_document": "retrieval.passage",
+                     "classification": "classification", "clustering": "separation"}
+"""Cohere's input types → Jina's tasks, for a model whose `task` option takes them (jina_embeddings_v3)."""
 
 T = TypeVar("T")
 
@@ -197,6 +200,15 @@ class Service:
                            f" {', '.join(values)} (Jina's {', '.join(JINA_TASKS)} mean"
                            f" {', '.join(JINA_TASKS.values())})", "task")
         return self.options(options, value, "task")
+
+    def input_type_task(self, input_type: str | None) -> dict[str, str] | None:
+        """Cohere's `input_type` as the `task` option of a model whose tasks are Jina's (jina_embeddings_v3's
+        adapters: search_query → retrieval.query, search_document → retrieval.passage, clustering → separation,
+        classification); None for any other model (its prompts carry the input type) or input type."""
+        task = COHERE_JINA_TASKS.get(input_type or "")
+        if task is None or task not in self.info.options.get("task", ()):
+            return None
+        return {"task": task}
 
     def liveness(self) -> str | None:
         """None while the engine serves; else why not, for /health's 503: the loop stopped or gave up, or it has
