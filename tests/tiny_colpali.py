@@ -30,13 +30,16 @@ def _bpe(specials: list[str], vocab_size: int = 500) -> Tokenizer:
 
 
 def paligemma_tokenizer():
-    """Gemma's special tokens (<pad> 0, <eos> 1, <bos> 2, <unk> 3); the processor adds <image> and the 1,152
-    <locNNNN> / <segNNN> tokens when it is built."""
-    from transformers import PreTrainedTokenizerFast
+    """Gemma's special tokens (<pad> 0, <eos> 1, <bos> 2, <unk> 3) and, as Gemma's tokenizer, <bos> added in front of
+    every text (the processor turns that off: its prompts hold <bos> themselves); the processor adds <image> and the
+    1,152 <locNNNN> / <segNNN> tokens when it is built."""
+    from tokenizers import processors
+    from transformers import GemmaTokenizerFast
 
     tk = _bpe(["<pad>", "<eos>", "<bos>", "<unk>"])
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                                   unk_token="<unk>", padding_side="right", model_max_length=256)
+    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    return GemmaTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                              unk_token="<unk>", padding_side="right", model_max_length=256, add_bos_token=True)
 
 
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -92,6 +95,10 @@ def build_colpali(folder: Path, *, image_size: int = 28, patch_size: int = 14, e
     _jitter(model, 1)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
+    # as the hub's PaliGemma tokenizers are saved: <bos> in front of every text by default (the processor turns it
+    # off when it loads; WDE tokenizes its prompts without special tokens)
+    processor.tokenizer.add_bos_token = True
+    processor.tokenizer.save_pretrained(folder)
     return folder
 
 
