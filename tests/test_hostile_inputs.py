@@ -276,10 +276,10 @@ def test_no_local_paths_in_any_response(servers: dict[str, str], minilm_path: Pa
 
 
 def test_a_model_folder_is_served_under_its_name(tiny_bert: Path) -> None:
-    from wde.server.service import _public_name
+    from wde.server.model_config import public_name
 
-    assert _public_name(str(tiny_bert)) == tiny_bert.name
-    assert _public_name("BAAI/bge-m3") == "BAAI/bge-m3"
+    assert public_name(str(tiny_bert)) == tiny_bert.name
+    assert public_name("BAAI/bge-m3") == "BAAI/bge-m3"
 
 
 def test_empty_api_key_is_refused_at_startup() -> None:
