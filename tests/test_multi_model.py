@@ -59,12 +59,17 @@ MODELS = (ModelConfig(served_model_name="embedder"), ModelConfig(served_model_na
 
 
 @pytest.fixture(scope="module")
-def two(minilm_path: Path, reranker_path: Path) -> Iterator[str]:
-    """MiniLM (`embedder`, the default) and the tiny reranker (`reranker`) in one process."""
+def two_app(minilm_path: Path, reranker_path: Path) -> Iterator[tuple[str, object]]:
+    """MiniLM (`embedder`, the default) and the tiny reranker (`reranker`) in one process: (url, app)."""
     models = (ModelConfig(str(minilm_path), "bert", "embedder"), ModelConfig(str(reranker_path), None, "reranker"))
     with Engine.from_workflow("bert", minilm_path) as embedder, Engine.from_workflow(None, reranker_path) as ranker, \
-            serve([embedder, ranker], models=models) as (url, _):  # type: ignore[arg-type]
-        yield url
+            serve([embedder, ranker], models=models) as running:  # type: ignore[arg-type]
+        yield running
+
+
+@pytest.fixture(scope="module")
+def two(two_app: tuple[str, object]) -> str:
+    return two_app[0]
 
 
 def _rerank_scores(answer: dict) -> np.ndarray:
@@ -133,6 +138,18 @@ def test_model_lists_name_every_served_model(two: str) -> None:
     assert info["model_id"] == "embedder" and [m["model_id"] for m in info["models"]] == ["embedder", "reranker"]
     assert httpx.get(f"{two}/info?model=reranker").json()["model_id"] == "reranker"
     assert httpx.get(f"{two}/health").status_code == 200
+
+
+def test_the_server_is_ready_only_while_every_model_is(two_app: tuple[str, object],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    url, app = two_app
+    reranker = app.state.models.services[1]  # type: ignore[attr-defined]
+    monkeypatch.setattr(reranker, "liveness", lambda: "the engine is not running: test")
+    for path in ("/health", "/ping", "/.well-known/ready"):
+        got = httpx.get(f"{url}{path}")
+        assert got.status_code == 503 and "model 'reranker': the engine is not running" in got.text, (path, got.text)
+    monkeypatch.undo()
+    assert httpx.get(f"{url}/health").status_code == 200
 
 
 def test_metrics_have_a_series_per_model(two: str) -> None:
