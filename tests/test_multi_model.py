@@ -289,6 +289,36 @@ def test_wde_serve_refuses_mismatched_options_in_one_line(args: tuple[str, ...],
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], done.stderr
 
 
+def test_wde_serve_with_repeated_models_and_a_scoped_override(minilm_path: Path, reranker_path: Path,
+                                                               tmp_path: Path) -> None:
+    """One process: `--set reranker:KEY=VALUE` reaches the reranker's engine only, `--set KEY=VALUE` both."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "wde.cli", "serve", "--model", str(minilm_path), "--model",
+                                 str(reranker_path), "--workflow", "bert", "--workflow", "cross_encoder",
+                                 "--served-model-name", "embedder", "--served-model-name", "reranker,rr",
+                                 "--set", "reranker:scheduler.params.max_num_requests=7",
+                                 "--set", "scheduler.params.max_num_batched_tokens=4096",
+                                 "--port", str(port), "--api-servers", "0"],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_healthy(url, lambda: proc.poll() is None, timeout=300)
+        except AssertionError:
+            raise AssertionError(f"the server did not start:\n{log.read_text()[-3000:]}") from None
+        embedder, reranker = httpx.get(f"{url}/info").json()["models"]
+        assert (embedder["workflow"], reranker["workflow"]) == ("bert", "cross_encoder")
+        assert reranker["max_batch_requests"] == 7 and embedder["max_batch_requests"] != 7
+        assert embedder["max_batch_tokens"] == reranker["max_batch_tokens"] == 4096
+        assert httpx.post(f"{url}/v1/rerank", json={"model": "rr", "query": QUERY, "documents": DOCS}
+                          ).json()["model"] == "reranker"
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+
+
 # --- split mode: one core per model, every API server a client of each -------------------------------------------
 
 def test_split_server_of_two_models_from_a_serve_config(minilm_path: Path, reranker_path: Path, tmp_path: Path,
