@@ -124,9 +124,7 @@ def parse_model(args: dict[str, Any], where: str = "") -> tuple[ServerConfig, Ra
     _check_keys(args, where, set(ModelArgs.model_fields))
     try:
         parsed = ModelArgs.model_validate(args)
-    except (ValidationError, json.JSONDecodeError) as e:
-        if isinstance(e, json.JSONDecodeError):
-            raise RayServeArgsError(f"{where}: not valid JSON: {e}") from None
+    except ValidationError as e:  # a JSON value that does not parse included: a ValueError in a validator
         first = e.errors()[0]
         name = ".".join(str(p) for p in first["loc"])
         raise RayServeArgsError(f"{where}{name}: {first['msg']} (got {first.get('input')!r})") from None
@@ -134,7 +132,6 @@ def parse_model(args: dict[str, Any], where: str = "") -> tuple[ServerConfig, Ra
     ray = RayOptions.model_validate({k: getattr(parsed, k) for k in ray_keys})
     given = {k: v for k, v in parsed.model_dump(exclude=ray_keys | {"set", *IMAGE_LIMITS}).items() if v is not None}
     from wde.cli import image_limit_overrides
-    from wde.server.config import LimitError
 
     try:
         overrides = list(parsed.set) + image_limit_overrides(**{k: getattr(parsed, k) for k in IMAGE_LIMITS})
@@ -142,8 +139,8 @@ def parse_model(args: dict[str, Any], where: str = "") -> tuple[ServerConfig, Ra
             if name in given:
                 given[name] = tuple(given[name])
         config = ServerConfig(overrides=overrides, **given)
-    except ValueError as e:
-        raise RayServeArgsError(f"{where}{e.name if isinstance(e, LimitError) else 'args'}: {e}") from None
+    except ValueError as e:  # ServerConfig's own checks (a LimitError among them): each names its setting
+        raise RayServeArgsError(f"{where}{e}") from None
     if ray.max_ongoing_requests is None:
         ray.max_ongoing_requests = min(DEFAULT_MAX_ONGOING, config.max_concurrent_requests)
     if ray.num_replicas not in (None, "auto") and ray.autoscaling_config is not None:
