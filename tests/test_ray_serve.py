@@ -209,6 +209,7 @@ def load(url: str, stop: threading.Event, statuses: list, body: dict, clients: i
     return threads
 
 
+@pytest.mark.filterwarnings("ignore:`look_back_period_s`:FutureWarning")  # Ray 2.60 moves metrics_interval_s
 def test_autoscales_up_under_load_and_back_down(cluster: str, tiny_bert: Path) -> None:
     autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 1,
                    "downscale_delay_s": 3, "look_back_period_s": 2}
