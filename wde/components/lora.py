@@ -100,16 +100,19 @@ class LoraLinear(nn.Module):
         groups = _GROUPS.get()
         if groups is None or not self.adapters:
             return y
-        for slot, index in groups.groups:
+        for slot, index in groups.groups:  # `y` is this call's own output: added to in place
             weights = self.adapters.get(slot)
             if weights is None:
                 continue
             a, b = weights
             if index is None:
-                y = y + ((x.to(a.dtype) @ a.T) @ b.T).to(y.dtype)
+                h = x.to(a.dtype) @ a.T
+                if y.dtype == b.dtype:
+                    y.addmm_(h, b.T)
+                else:
+                    y += (h @ b.T).to(y.dtype)
             else:
-                delta = (x.index_select(0, index).to(a.dtype) @ a.T) @ b.T
-                y = y.index_add(0, index, delta.to(y.dtype))
+                y.index_add_(0, index, ((x.index_select(0, index).to(a.dtype) @ a.T) @ b.T).to(y.dtype))
         return y
 
     def extra_repr(self) -> str:
@@ -143,9 +146,9 @@ class LoraEmbedding(nn.Module):
                 continue
             a_t, b = weights
             if index is None:
-                y = y + (nn.functional.embedding(ids, a_t) @ b.T).to(y.dtype)
+                y += (nn.functional.embedding(ids, a_t) @ b.T).to(y.dtype)
             else:
-                y = y.index_add(0, index, (nn.functional.embedding(ids.index_select(0, index), a_t) @ b.T).to(y.dtype))
+                y.index_add_(0, index, (nn.functional.embedding(ids.index_select(0, index), a_t) @ b.T).to(y.dtype))
         return y
 
 
