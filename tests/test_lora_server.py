@@ -48,6 +48,9 @@ def test_model_names_an_adapter_and_adapters_load_and_unload(adapters: dict[str,
             assert first.json()["model"] == "first"
             assert np.abs(vectors(first) - reference(minilm(), adapters["first"], TEXTS)).max() <= TOL
             assert np.abs(vectors(embed(url, "minilm")) - reference(minilm(), None, TEXTS)).max() <= TOL
+            cards = httpx.get(f"{url}/v1/models", headers=KEY).json()["data"]
+            assert [(c["id"], c.get("parent")) for c in cards] == [("minilm", None), ("first", "minilm")]
+            assert httpx.get(f"{url}/v1/models/first", headers=KEY).json()["parent"] == "minilm"
             missing = embed(url, "second")
             assert missing.status_code == 404 and "'first'" in missing.text
             contradicts = embed(url, "first", options={"adapter": "none"})

@@ -213,15 +213,20 @@ def _list_response(svc: Service, data: list[dict], result: Result) -> JSONRespon
 def _model_card(svc: Service) -> dict:
     """OpenAI's Model object (`id`, `object`, `created`, `owned_by`) plus what WDE serves it with."""
     info = svc.info
-    return {"id": svc.model_name, "object": "model", "created": svc.created, "owned_by": "wde",
-            "root": svc.model_name, "workflow": info.workflow,
+    card = {"id": svc.model_name, "object": "model", "created": svc.created, "owned_by": "wde",
+            "root": svc.model_names[0], "workflow": info.workflow,
             "outputs": list(info.outputs), "max_model_len": info.max_length}
+    if svc.adapter is not None:  # a LoRA adapter of the model: vLLM's card names its base model as `parent`
+        card["parent"] = svc.model_names[0]
+    return card
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
-    """Every served model, the default first."""
-    return JSONResponse({"object": "list", "data": [_model_card(svc) for svc in served(request).services]})
+    """Every served model, the default first, each followed by its LoRA adapters (docs/adapters.md)."""
+    return JSONResponse({"object": "list", "data": [
+        card for svc in served(request).services
+        for card in [_model_card(svc), *(_model_card(svc.for_adapter(a)) for a in svc.adapters())]]})
 
 
 @router.get("/v1/models/{model_id:path}")
