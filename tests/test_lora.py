@@ -213,6 +213,7 @@ def edited(src: Path, dst: Path, **config) -> Path:
     ({"peft_type": "IA3"}, "peft_type 'IA3'"),
     ({"fan_in_fan_out": True}, "fan_in_fan_out"),
     ({"some_future_feature": {"on": True}}, "some_future_feature"),
+    ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'"),
 ])
 def test_adapter_settings_wde_does_not_implement_are_refused(bert_adapters: dict[str, Path], tmp_path: Path,
                                                              setting: dict, named: str) -> None:

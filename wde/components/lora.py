@@ -306,6 +306,11 @@ def check_adapter_config(config: Mapping[str, Any], where: str) -> None:
         raise ModelLoadError(f"{where}: peft_type {config.get('peft_type')!r} is not supported; only LORA adapters are")
     if config.get("bias", "none") != "none":
         raise ModelLoadError(f"{where}: bias={config['bias']!r} is not supported (trained biases); only bias='none'")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(("pissa", "olora", "corda", "loftq")):
+        raise ModelLoadError(f"{where}: init_lora_weights={init!r} adapters are saved against a changed base model"
+                             " (its residual); save them converted to plain LoRA (peft's"
+                             " path_initial_model_for_weight_conversion) to serve them on the original base")
     if config.get("use_rslora") and (config.get("rank_pattern") or config.get("alpha_pattern")):
         raise ModelLoadError(f"{where}: use_rslora with rank_pattern or alpha_pattern is not supported")
     for key, value in config.items():
