@@ -4,7 +4,8 @@
 BERT is the bundled all-MiniLM-L6-v2 with the recipe's adapters (query/key/value and every `dense`: the fused q|k|v
 projection and the intermediate layer whose GELU oneDNN fuses on AVX-512); the decoder is a tiny random Qwen3 with
 adapters on q/k/v/o and gate/up/down (fused q|k|v and gate|up), one of them rsLoRA and on the token embeddings
-too, one with rank and alpha patterns. Both run on PyTorch's linear layers and, where oneDNN runs here, on prepacked ones.
+too, one with rank and alpha patterns. Both run on PyTorch's linear layers and, where oneDNN runs here, on prepacked ones. XLM-R, ModernBERT and
+Qwen2 adapters are checked against peft's `PeftModel` on transformers' model (tiny random weights).
 """
 
 from __future__ import annotations
@@ -292,7 +293,7 @@ def test_run_time_loading_needs_adapters_enabled(bert_adapters: dict[str, Path])
             engine.load_lora_adapter("first", bert_adapters["first"])
 
 
-# --- the other encoders: XLM-R and ModernBERT, against peft on transformers' model ----------------------------
+# --- other families: XLM-R, ModernBERT and Qwen2, against peft on transformers' model -------------------------
 
 def peft_mean(base: str, adapter: Path | None, texts: list[str]) -> np.ndarray:
     """Mean of the last hidden states of each text alone (no padding), through peft's `PeftModel`."""
@@ -307,30 +308,34 @@ def peft_mean(base: str, adapter: Path | None, texts: list[str]) -> np.ndarray:
         return np.stack([model(**tok(t, return_tensors="pt"))[0][0].mean(0).numpy() for t in texts])
 
 
-def encoder_folder(kind: str, out: Path) -> str:
+def model_folder(kind: str, out: Path) -> str:
     from tests.tiny_models import build_xlmr
 
     if kind == "xlm_roberta":
         return str(build_xlmr(out))
+    if kind == "gte_qwen2":
+        return str(tiny_decoders.build_qwen2(out, tiny_decoders.qwen2_tokenizer(real=False)))
     from tests.test_modernbert import build
 
     return str(build(out))
 
 
-ENCODER_TARGETS = {
+TARGETS = {
     "xlm_roberta": ["query", "key", "value", "dense", "word_embeddings"],  # dense: attention output, MLP and pooler
     "modernbert": ["Wqkv", "Wo", "Wi", "tok_embeddings"],  # fused q|k|v and input|gate projections, whole
+    "gte_qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],  # q|k|v biases
 }
+OVERRIDES = {"gte_qwen2": ["tokenizer.params.add_eos=false", "attention.params.causal=true"]}
 
 
-@pytest.mark.parametrize("kind", sorted(ENCODER_TARGETS))
-def test_encoder_adapters_mixed_in_one_batch_match_peft(kind: str, tmp_path: Path) -> None:
-    base = encoder_folder(kind, tmp_path / "m")
+@pytest.mark.parametrize("kind", sorted(TARGETS))
+def test_adapters_of_other_families_mixed_in_one_batch_match_peft(kind: str, tmp_path: Path) -> None:
+    base = model_folder(kind, tmp_path / "m")
     adapters = {f"a{i}": make_adapter(base, tmp_path / f"a{i}", 30 + i, r=2 + 2 * i, lora_alpha=4,
-                                      target_modules=ENCODER_TARGETS[kind]) for i in range(2)}
+                                      target_modules=TARGETS[kind]) for i in range(2)}
     texts = [t[:120] for t in varied_texts(4, seed=8)]  # within the tiny tokenizers' 128 tokens
-    engine = Engine.from_workflow(kind, base, lora_modules=adapters, overrides=["pooler.params.pooling=mean",
-                                                                                "pooler.params.normalize=false"])
+    engine = Engine.from_workflow(kind, base, lora_modules=adapters, overrides=[
+        "pooler.params.pooling=mean", "pooler.params.normalize=false", *OVERRIDES.get(kind, [])])
     try:
         names: list[str | None] = [None, *adapters]
         out, batches = run_mixed(engine, [(t, n) for t in texts for n in names])
