@@ -4,8 +4,9 @@
 BERT is the bundled all-MiniLM-L6-v2 with the recipe's adapters (query/key/value and every `dense`: the fused q|k|v
 projection and the intermediate layer whose GELU oneDNN fuses on AVX-512); the decoder is a tiny random Qwen3 with
 adapters on q/k/v/o and gate/up/down (fused q|k|v and gate|up), one of them rsLoRA and on the token embeddings
-too, one with rank and alpha patterns. Both run on PyTorch's linear layers and, where oneDNN runs here, on prepacked ones. XLM-R, ModernBERT and
-Qwen2 adapters are checked against peft's `PeftModel` on transformers' model (tiny random weights).
+too, one with rank and alpha patterns. Both run on PyTorch's linear layers and, where oneDNN runs here, on
+prepacked ones. XLM-R, ModernBERT and Qwen2 adapters are checked against peft's `PeftModel` on transformers' model
+(tiny random weights).
 """
 
 from __future__ import annotations
