@@ -7,7 +7,8 @@ until a fixed total is done) against, one after the other:
 - `wde serve` in its own process (one engine, all the cores);
 - a local Ray cluster (`ray.init(num_cpus=CORES)`) serving `build_app` with 1 replica (`num_cpus` = all the cores)
   and then 2 replicas (half the cores each), through Ray's HTTP proxy;
-- the proxy's overhead: a deployment that answers a constant JSON body at once, through Ray's proxy, against the
+- the proxy's overhead: a deployment that answers a constant JSON body at once, through Ray's proxy, as a plain
+  deployment and as a FastAPI app behind `serve.ingress` (the way `wde.ray_serve` serves WDE's app), against the
   same constant route on a bare uvicorn + FastAPI server: the difference in latency is what the proxy and its hop
   to the replica add to every request, whatever the model.
 
@@ -105,18 +106,38 @@ def main() -> None:
         async def __call__(self, request: object) -> dict:
             return {"object": "list", "data": []}
 
+    def constant_app() -> object:
+        from fastapi import FastAPI
+
+        app = FastAPI()
+
+        @app.post("/v1/embeddings")
+        async def constant() -> dict:
+            return {"object": "list", "data": []}
+
+        return app
+
+    @serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+    @serve.ingress(constant_app)
+    class ConstantIngress:  # as wde.ray_serve's replicas are: a FastAPI app behind serve.ingress
+        pass
+
     ray.init(num_cpus=args.cores, include_dashboard=False, log_to_driver=False)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(Constant.bind(), name="constant", route_prefix="/")
-        proxied = sweep_url("ray constant", url, texts, sweep)
-        serve.delete("constant")
-        for point in sweep:
-            extra_ms = proxied[point].percentile(50) - bare[point].percentile(50)
-            print(f"Ray's proxy, clients {point[0]:4d} x {point[1]:3d} texts: +{extra_ms:.1f} ms per request at p50"
-                  f" ({proxied[point].rps:.0f} req/s at most through it here, bare uvicorn {bare[point].rps:.0f})")
+        proxied = {}
+        for label, deployment in (("ray constant", Constant), ("ray ASGI const", ConstantIngress)):
+            serve.run(deployment.bind(), name="constant", route_prefix="/")
+            proxied[label] = sweep_url(label, url, texts, sweep)
+            serve.delete("constant")
+        for label, results in proxied.items():
+            for point in sweep:
+                extra_ms = results[point].percentile(50) - bare[point].percentile(50)
+                print(f"Ray's proxy ({label}), clients {point[0]:4d} x {point[1]:3d} texts: +{extra_ms:.1f} ms per"
+                      f" request at p50 ({results[point].rps:.0f} req/s at most through it here, bare uvicorn"
+                      f" {bare[point].rps:.0f})")
         for n in args.replicas:
             started = time.monotonic()
             serve.run(build_app({"model": model, "workflow": args.workflow, "served_model_name": "bench",
