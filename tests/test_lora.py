@@ -23,7 +23,8 @@ from tests.tiny_models import varied_texts
 from wde import Engine
 from wde.components.lora import LoraLinear
 from wde.components.models.bert import BertModel
-from wde.components.models.cpu_linear import PackedLinear, fusion_pays, onednn_available, onednn_bf16_supported, onednn_error
+from wde.components.models.cpu_linear import (PackedLinear, fusion_pays, onednn_available, onednn_bf16_supported,
+                                              onednn_error)
 from wde.engine import BatchStats
 from wde.errors import ModelLoadError, RequestError
 from wde.registry import get_registry
@@ -121,7 +122,8 @@ def test_without_adapters_the_intermediate_gelu_is_fused() -> None:
     where a delta added after the layer would land after the activation."""
     engine = Engine.from_workflow(None, minilm(), overrides=["model.params.cpu_linear=onednn"])
     try:
-        fused = [m for m in engine.components["model"].modules() if isinstance(m, PackedLinear) and m.post_op[0] == "gelu"]
+        fused = [m for m in engine.components["model"].modules()
+                 if isinstance(m, PackedLinear) and m.post_op[0] == "gelu"]
         assert len(fused) == 6
         assert engine.info.options == {}
     finally:
@@ -345,7 +347,8 @@ def test_adapters_of_other_families_mixed_in_one_batch_match_peft(kind: str, tmp
             want = peft_mean(base, None if name is None else adapters[name], texts)
             got = np.stack([out[(t, name)] for t in texts])
             assert np.abs(got - want).max() <= TOL, (kind, name)
-        assert np.abs(np.stack([out[(t, "a0")] for t in texts]) - np.stack([out[(t, None)] for t in texts])).max() > 1e-3
+        changed = np.stack([out[(t, "a0")] for t in texts]) - np.stack([out[(t, None)] for t in texts])
+        assert np.abs(changed).max() > 1e-3
     finally:
         engine.close()
 

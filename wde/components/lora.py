@@ -203,7 +203,8 @@ class AdapterTable:
     def reserve(self, name: str) -> int:
         """A new slot for adapter `name` (published by `slots[name] = slot` once its weights are in place)."""
         if name == self.default or name in self.slots:
-            raise ModelLoadError(f"{self.option} {name!r} is already {'the base model' if name == self.default else 'loaded'}")
+            what = "the base model" if name == self.default else "loaded"
+            raise ModelLoadError(f"{self.option} {name!r} is already {what}")
         if len(self.slots) >= self.max_adapters:
             raise ModelLoadError(f"{len(self.slots)} adapters are loaded, the most allowed (lora.max_adapters ="
                                  f" {self.max_adapters}); unload one first")
@@ -238,8 +239,8 @@ class LoraSet:
         return {self.table.option: self.table.values()}
 
     def add(self, name: str, deltas: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Load adapter `name`: module name (a `LoraLinear` or `LoraEmbedding` of the model) → (A [R, in], B [out, R]),
-        scale in B (for an embedding, `in` is the vocabulary)."""
+        """Load adapter `name`: module name (a `LoraLinear` or `LoraEmbedding` of the model) → (A [R, in],
+        B [out, R]), scale in B (for an embedding, `in` is the vocabulary)."""
         for module, (a, b) in deltas.items():
             linear = self.linears.get(module)
             if linear is None:
@@ -327,7 +328,8 @@ def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> An
     return default
 
 
-def read_peft_adapter(path: str | Path, model: "PrefillModel", linears: set[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def read_peft_adapter(path: str | Path, model: "PrefillModel",
+                      linears: set[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """A PEFT LoRA folder's deltas as `LoraSet.add` takes them: each checkpoint module mapped onto the model's layer
     (and shard) the way its base weight loads (`checkpoint_target`), the scale folded into B."""
     from safetensors.torch import load_file
@@ -413,7 +415,8 @@ def _combine(linear: LoraLinear, parts: list[tuple[int | None, torch.Tensor, tor
         if shard is None:
             start, size = 0, linear.out_features  # the whole layer (a checkpoint tensor that loads whole)
         elif shard not in linear.shards:
-            raise ModelLoadError(f"{where}: shard {shard} does not exist in a layer with shards {sorted(linear.shards, key=str)}")
+            shards = sorted(linear.shards, key=str)
+            raise ModelLoadError(f"{where}: shard {shard} does not exist in a layer with shards {shards}")
         else:
             start, size = linear.shards[shard]
         if b.shape[0] != size:

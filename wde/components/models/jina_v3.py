@@ -81,10 +81,12 @@ class JinaEmbeddingsV3Model(BertModel):
             raise ModelLoadError("model.params.lora is not supported by jina_embeddings_v3: its adapters are its"
                                  f" tasks ({', '.join(TASKS)}), chosen per request with the option 'task'")
         folder = Path(ctx.source.path)
-        found = {t: folder / task_folder(t) for t in TASKS if (folder / task_folder(t) / "adapter_config.json").is_file()}
+        found = {t: folder / task_folder(t) for t in TASKS
+                 if (folder / task_folder(t) / "adapter_config.json").is_file()}
         if not found:
-            raise ModelLoadError(f"{folder} has no task adapters (PEFT folders {', '.join(task_folder(t) + '/' for t in TASKS)});"
-                                 " jina_embeddings_v3 serves its tasks from them")
+            expected = ", ".join(task_folder(t) + "/" for t in TASKS)
+            raise ModelLoadError(f"{folder} has no task adapters (PEFT folders {expected}); jina_embeddings_v3"
+                                 " serves its tasks from them")
         tasks = self.use_lora(ctx, option=TASK_OPTION, max_adapters=len(TASKS))
         for task, path in found.items():
             tasks.load_peft(task, path)
