@@ -14,6 +14,7 @@ import pytest
 
 import wde.plugins
 from wde import Engine
+from wde.api import Pooler
 from wde.components.base import Component, Params
 from wde.errors import ModelLoadError, RegistryError, WorkflowError
 from wde.model_source import ModelSource
@@ -27,18 +28,16 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
 HOOKS = sorted(name for name, fn in vars(hookspecs).items() if callable(fn) and hasattr(fn, "wde_spec"))
 
 
-class EchoPooler(Component):
+class EchoPooler(Pooler):
     """A throwaway pooler that exists only in these tests."""
 
-    kind = "pooler"
     name = "echo_test"
 
     class Params(Params):
         scale: float = 1.0
 
 
-class OtherEchoPooler(Component):
-    kind = "pooler"
+class OtherEchoPooler(Pooler):
     name = "echo_test"
 
 
@@ -92,10 +91,9 @@ def test_hook_register_components(tmp_path: Path) -> None:
         load_workflow(wf, registry=registry_with())
 
 
-class WidthlessDensePooler(Component):
+class WidthlessDensePooler(Pooler):
     """Produces 'dense' without saying how wide it is."""
 
-    kind = "pooler"
     name = "widthless_test"
     outputs = ("dense",)
 
@@ -152,8 +150,7 @@ def test_duplicate_component_names_both_plugins() -> None:
 
 
 def test_duplicate_builtin_name_names_the_builtin_plugin() -> None:
-    class FakeSentence(Component):
-        kind = "pooler"
+    class FakeSentence(Pooler):
         name = "sentence"
 
     plugin = plugin_object(register_components=lambda register: register(FakeSentence))

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from wde.components.attention.base import AttentionBackend, AttentionMetadata, check_bias
     from wde.components.base import COMPONENT_KINDS, BuildContext, Component, Params
     from wde.components.input_processor import TextInputProcessor
+    from wde.components.kinds import (Attention, Executor, InputProcessor, Model, ModelInputBuilder, OutputProcessor,
+                                      Pooler, RequestProcessor, Runner, Scheduler, Tokenizer)
     from wde.components.model_input_builder import ModelInput, PackedInputBuilder
     from wde.components.multi_vector import maxsim
     from wde.components.request_processor import LazyTokenizeRequestProcessor
@@ -52,6 +54,18 @@ _PUBLIC: dict[str, str] = {
     "Component": "wde.components.base",
     "Params": "wde.components.base",
     "BuildContext": "wde.components.base",
+    # the base class of each component kind (its contract: wde/components/kinds.py)
+    "Tokenizer": "wde.components.kinds",
+    "InputProcessor": "wde.components.kinds",
+    "RequestProcessor": "wde.components.kinds",
+    "Scheduler": "wde.components.kinds",
+    "ModelInputBuilder": "wde.components.kinds",
+    "Attention": "wde.components.kinds",
+    "Model": "wde.components.kinds",
+    "Pooler": "wde.components.kinds",
+    "Runner": "wde.components.kinds",
+    "Executor": "wde.components.kinds",
+    "OutputProcessor": "wde.components.kinds",
     "ModelSource": "wde.model_source",
     "ModelInput": "wde.components.model_input_builder",
     "PoolingParams": "wde.request",

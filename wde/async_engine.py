@@ -128,7 +128,7 @@ class AsyncEngine:
     @property
     def queue_depth(self) -> int:
         """Requests accepted and not yet scheduled into a batch."""
-        return int(getattr(self.engine.scheduler, "num_waiting", 0))
+        return int(self.engine.scheduler.num_waiting)
 
     @property
     def load(self) -> EngineLoad:
@@ -223,8 +223,9 @@ class AsyncEngine:
     def _restart(self, error: Exception) -> bool:
         """Fail every waiting caller, reset the engine's queues; False when the restart budget is spent."""
         log.error("the engine loop failed (%s: %s); restarting it", type(error).__name__, error, exc_info=error)
+        granted = self.restarts.spend()  # counted before any caller hears of the restart (`num_restarts`)
         self._fail_all(EngineRestarted(RESTARTED), reset=True)
-        if not self.restarts.spend():
+        if not granted:
             self._give_up(error)
             return False
         return True
@@ -285,9 +286,8 @@ def admit(handle: Any, make_request: Callable[..., Request], inputs: Sequence[An
     per_input = [params] * len(inputs) if isinstance(params, PoolingParams) else list(params)
     names = input_names(fields, len(inputs))
     requests = [make_request(x, p, f"{prefix}-{i}", names[i]) for i, (x, p) in enumerate(zip(inputs, per_input))]
-    check_request = getattr(handle.input_processor, "check_request", None)
-    if check_request is not None:  # e.g. the images of one call within a pixel budget, before any is decoded
-        check_request(requests, names)
+    handle.input_processor.check_request(requests, names)  # e.g. one call's images within a pixel budget
+
     return requests
 
 

@@ -221,7 +221,7 @@ class Engine:
         self.dense_size: int | None = None
         """Width of the 'dense' output, so a too-large `dimensions` is refused before any work is done."""
         if "dense" in self.supported_outputs:
-            self.dense_size = getattr(ctx.pooler, "dense_size", None)
+            self.dense_size = ctx.pooler.dense_size
             if not isinstance(self.dense_size, int):
                 raise ModelLoadError(f"workflow {workflow.name!r}: pooler {workflow.components['pooler'].name!r}"
                                      " produces 'dense' but does not declare its width as `dense_size`")
@@ -255,7 +255,7 @@ class Engine:
         tokenizer, model and pooler, asking for every output, and refuse a model whose output is not finite:
         weights whose header is intact but whose data is garbage, or a dtype the model overflows in."""
         where = f"model folder {self.source.path}"
-        pairs = getattr(getattr(self.input_processor, "params", None), "pairs", None)
+        pairs = self.input_processor.pairs
         try:
             request = self.make_request(PROBE_PAIR if pairs == "require" else PROBE_TEXT,
                                         PoolingParams(truncate=True, outputs=self.supported_outputs), "wde-load-probe")
@@ -269,7 +269,7 @@ class Engine:
             raise ModelLoadError(f"{where}: the probe input run at load failed: {type(e).__name__}:"
                                  f" {one_line(e)}") from None
         if bad:
-            dtype = getattr(self.components["model"], "dtype", None)
+            dtype = self.components["model"].dtype
             overflow = (f", or the model overflows in {str(dtype).removeprefix('torch.')} (try --set"
                         " model.params.dtype=float32)") if dtype in (torch.float16, torch.bfloat16) else ""
             name = next(iter(bad.values()))
@@ -338,7 +338,7 @@ class Engine:
         self._options_changed()
 
     def _adapters(self) -> Any:
-        lora = getattr(self.components["model"], "lora", None)
+        lora = self.components["model"].lora
         if lora is None or lora.table.option != "adapter":
             raise ModelLoadError(f"workflow {self.workflow.name!r} was not started with LoRA adapters enabled; set"
                                  " model.params.lora.enable=true (or name adapters in model.params.lora.modules)")
@@ -354,8 +354,7 @@ class Engine:
     def load(self) -> EngineLoad:
         """Queued and running inputs and tokens (safe to read from another thread while the engine steps)."""
         batches = [batch for batch, _ in list(self._inflight)] + list(self._retry)
-        return EngineLoad(int(getattr(self.scheduler, "num_waiting", 0)),
-                          int(getattr(self.scheduler, "queued_tokens", 0)),
+        return EngineLoad(int(self.scheduler.num_waiting), int(self.scheduler.queued_tokens),
                           sum(len(b.scheduled) for b in batches), sum(b.num_tokens for b in batches))
 
     def has_unfinished(self) -> bool:
@@ -450,7 +449,7 @@ class Engine:
 
     def reset(self) -> list[str]:
         """Forget every queued, retried and in-flight request (after the step loop itself failed); their ids."""
-        ids = self.scheduler.clear() if hasattr(self.scheduler, "clear") else []
+        ids = self.scheduler.clear()
         for batch in self._retry:
             ids.extend(s.request.request_id for s in batch.scheduled)
         for batch, _ in self._inflight:
@@ -565,14 +564,11 @@ class Engine:
 
     def _token_limit(self) -> int:
         """The most tokens one input may have: the model's, or the scheduler's budget where it is smaller."""
-        budget = getattr(self.scheduler, "token_budget", None)
-        return self.max_length if budget is None else min(self.max_length, budget)
+        return min(self.max_length, self.scheduler.token_budget)
 
     def close(self) -> None:
         self.executor.shutdown()
-        shutdown = getattr(self.components["runner"], "shutdown", None)  # e.g. the CPU streams' threads
-        if shutdown is not None:
-            shutdown()
+        self.components["runner"].shutdown()  # e.g. the CPU streams' threads
 
     def __enter__(self) -> "Engine":
         return self

@@ -47,24 +47,23 @@ class EngineInfo:
     @classmethod
     def of(cls, engine: "Engine") -> "EngineInfo":
         pooler = engine.components["pooler"]
-        labels = getattr(pooler, "labels", None)
+        labels = pooler.labels
         if labels is None:
             labels = getattr(engine.source.hf_config, "id2label", None) or {}
         if isinstance(labels, dict):
             labels = [labels[k] for k in sorted(labels, key=int)]
         model = engine.components["model"]
-        param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
-        sched = getattr(engine.scheduler, "params", None)
+        param = next(iter(model.parameters()), None)
         return cls(
             workflow=engine.workflow.name,
             outputs=tuple(engine.supported_outputs),
             max_length=engine.max_length,
-            token_budget=getattr(engine.scheduler, "token_budget", None),
-            max_num_requests=getattr(sched, "max_num_requests", None),
+            token_budget=engine.scheduler.token_budget,
+            max_num_requests=engine.scheduler.max_num_requests,
             dense_size=engine.dense_size,
             labels=tuple(str(x) for x in labels),
-            pooling=str(getattr(pooler, "mode", engine.workflow.components["pooler"].name)),
-            dtype=str(getattr(model, "dtype", None) or param.dtype).removeprefix("torch.") if param is not None else
+            pooling=str(pooler.mode or engine.workflow.components["pooler"].name),
+            dtype=str(model.dtype or param.dtype).removeprefix("torch.") if param is not None else
             "unknown",
             device=str(param.device) if param is not None else "cpu",
             chunkable=engine.chunkable,

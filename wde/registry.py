@@ -16,6 +16,7 @@ import pluggy
 import yaml
 
 from wde.components.base import COMPONENT_KINDS, Component, Params
+from wde.components.kinds import KIND_BASES, Attention, Model, kind_base, public_base_name
 from wde.errors import RegistryError, did_you_mean
 from wde.yaml_source import safe_load
 
@@ -62,7 +63,8 @@ class LazyComponent:
             raise RegistryError(f"{self.kind} component {self.name!r}: cannot import {self.target!r}: {e}") from None
         if not (isinstance(cls, type) and issubclass(cls, Component)):
             raise RegistryError(f"{self.kind} component {self.name!r}: {self.target} is not a Component subclass")
-        got = (getattr(cls, "kind", None), getattr(cls, "name", None), cls.Params)
+        check_kind_base(cls, self.kind, self.target, "its registration")
+        got = (cls.kind, cls.name, cls.Params)
         if got != (self.kind, self.name, self.params):
             raise RegistryError(
                 f"{self.target} does not match its registration: kind/name/Params are"
@@ -72,20 +74,26 @@ class LazyComponent:
         return cls
 
 
-CAPABILITIES = {"attention_bias": ("uses_attention_bias", "supports_bias"),
-                "attention_window": ("uses_attention_window", "supports_window")}
-"""Capability → (the model class flag that needs it, the attention backend class flag that supports it)."""
+def check_kind_base(cls: type[Component], kind: str, what: str, where: str) -> None:
+    """Refuse a component class of `kind` that does not subclass the kind's base (`wde.components.kinds`), naming
+    the class and the base to subclass; `where` says who declared the kind."""
+    if kind in KIND_BASES and not issubclass(cls, kind_base(kind)):
+        raise RegistryError(f"{what} is a {kind} component ({where}) but does not subclass the {kind} base"
+                            f" wde.api.{public_base_name(kind)}; subclass it (docs/plugins.md, \"Component kinds\")")
 
 
 def capabilities_of(component: "type[Component] | LazyComponent") -> frozenset[str]:
-    """What a model needs from its attention backend, or what a backend supports (see `LazyComponent.capabilities`)."""
+    """What a model needs from its attention backend ("attention_bias", "attention_window"), or what a backend
+    supports (see `LazyComponent.capabilities`); nothing for other kinds."""
     if isinstance(component, LazyComponent):
         return component.capabilities
-    kind = getattr(component, "kind", None)
-    if kind not in ("model", "attention"):
+    if issubclass(component, Model):
+        flags = {"attention_bias": component.uses_attention_bias, "attention_window": component.uses_attention_window}
+    elif issubclass(component, Attention):
+        flags = {"attention_bias": component.supports_bias, "attention_window": component.supports_window}
+    else:
         return frozenset()
-    flag = 0 if kind == "model" else 1
-    return frozenset(c for c, flags in CAPABILITIES.items() if getattr(component, flags[flag], False))
+    return frozenset(c for c, on in flags.items() if on)
 
 
 def load_component(value: type[Component] | LazyComponent) -> type[Component]:
@@ -142,13 +150,14 @@ class Registry:
         else:
             raise RegistryError(f"plugin {plugin!r} registered {component!r}, which is not a Component subclass"
                                 " or a LazyComponent")
-        kind = getattr(component, "kind", None)
-        name = getattr(component, "name", None)
+        kind, name = component.kind, component.name
         if kind not in self.components:
             raise RegistryError(
                 f"plugin {plugin!r} registered {what} with kind {kind!r};"
                 f" kinds are: {', '.join(COMPONENT_KINDS)}"
             )
+        if isinstance(component, type):
+            check_kind_base(component, kind, f"{component.__module__}.{what}", f"registered by plugin {plugin!r}")
         if not name:
             raise RegistryError(f"plugin {plugin!r} registered {what} without a name")
         existing = self.components[kind].get(name)

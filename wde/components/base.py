@@ -43,10 +43,14 @@ class Params(BaseModel):
 
 
 class Component:
-    """Base class of all components. Subclasses set `kind`, `name` and, when they take any, `Params`."""
+    """Base class of all components. A component subclasses its kind's base (`wde.components.kinds`: `Pooler`,
+    `Tokenizer`, ..., which sets `kind` and states what every component of the kind has) and sets `name` and, when
+    it takes any, `Params`."""
 
-    kind: ClassVar[str]
-    name: ClassVar[str]
+    kind: ClassVar[str] = ""
+    """Set by the kind's base class (`wde.components.kinds`): which kind of component this is."""
+    name: ClassVar[str] = ""
+    """The name a workflow gives it (unique within its kind); empty: not registrable."""
     Params: ClassVar[type[Params]] = Params
 
     def __init__(self, params: Params, ctx: "BuildContext") -> None:

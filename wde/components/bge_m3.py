@@ -13,7 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from wde.components.base import BuildContext, Component
+from wde.components.base import BuildContext
+from wde.components.kinds import Pooler
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.fused import l2_normalize
 from wde.components.output_processor import EmbeddingOutputProcessor
@@ -45,7 +46,7 @@ def _load_linear(ctx: BuildContext, filename: str, device: torch.device, dtype: 
     return linear.to(device=device, dtype=dtype).eval()
 
 
-class BGEM3Pooler(Component):
+class BGEM3Pooler(Pooler):
     """Dense, sparse and ColBERT outputs of bge-m3; computes only the heads the batch's requests ask for."""
 
     kind = "pooler"

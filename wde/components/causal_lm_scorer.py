@@ -12,14 +12,15 @@ from typing import Iterator
 
 import torch
 
-from wde.components.base import BuildContext, Component
+from wde.components.base import BuildContext
+from wde.components.kinds import Pooler
 from wde.components.model_input_builder import ModelInput
 from wde.components.params import YesNoScorerParams  # torch-free, so validating a workflow needs no torch
 from wde.components.pooler import Pooled, pool
 from wde.errors import ModelLoadError
 
 
-class YesNoScorer(Component):
+class YesNoScorer(Pooler):
     """Pooler scoring each sequence by its last token's LM-head logits for the yes/no tokens (output 'score')."""
 
     kind = "pooler"

@@ -13,7 +13,8 @@ from typing import Callable, ClassVar
 import torch
 from torch import nn
 
-from wde.components.base import BuildContext, Component
+from wde.components.base import BuildContext
+from wde.components.kinds import Pooler
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.loader import load_weights
 from wde.components.params import ClassifierParams  # torch-free, so validating a workflow needs no torch
@@ -150,7 +151,7 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-class ClassifierPooler(Component):
+class ClassifierPooler(Pooler):
     """Runs the classification head on the first token of every sequence (output 'score' or 'probs').
 
     A request's `activation=False` returns raw logits; True applies the activation even when the workflow's

@@ -26,7 +26,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from wde.components.base import BuildContext, Component, Params
+from wde.components.base import BuildContext, Params
+from wde.components.kinds import Pooler
 from wde.components.col_retrieval_input import ColRetrievalInput
 from wde.components.model_input_builder import ModelInput, PackedInputBuilder
 from wde.components.models.fused import l2_normalize
@@ -36,6 +37,7 @@ from wde.components.params import ImageTextRequestParams, MultiVectorPoolerParam
 from wde.components.pooler import Pooled
 from wde.components.request_processor import Result
 from wde.components.scheduler import SchedulerOutput
+from wde.components.tokenizer import HFTokenizerParams
 from wde.errors import ModelLoadError, RequestError, internal_error
 from wde.request import ImagePrompt, Request, SchedulableRequest, TextPrompt, TokensPrompt
 
@@ -56,8 +58,8 @@ class ColRetrievalTokenize(ImageTextRequestProcessor):
         if params.pad_text != "none":
             raise ModelLoadError("request_processor.params.pad_text is not taken by ColPali / ColQwen2 (queries are"
                                  " never padded: padding would change their vectors)")
-        tok = getattr(ctx.tokenizer, "params", None)
-        if getattr(tok, "add_eos", False) or getattr(tok, "padding_side", None) is not None:
+        tok = ctx.tokenizer.params
+        if isinstance(tok, HFTokenizerParams) and (tok.add_eos or tok.padding_side is not None):
             raise ModelLoadError("tokenizer.params add_eos and padding_side are not taken by ColPali / ColQwen2 (queries"
                                  " and pages are tokenized as their processors render them, never padded)")
         super().__init__(params, ctx)
@@ -152,7 +154,7 @@ def qwen2_vl_images(pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return torch.cat(patches), grid
 
 
-class ColRetrievalPooler(Component):
+class ColRetrievalPooler(Pooler):
     """The model's projected token vectors, one per token of each input (the query's prefix and augmentation
     buffer, the page's image and prompt tokens: every position transformers' attention mask keeps),
     L2-normalized unless a request sets `normalize=false`. Output 'colbert', scored by MaxSim (summed)."""

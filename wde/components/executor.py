@@ -9,33 +9,23 @@ from pydantic import Field
 
 from typing import TYPE_CHECKING
 
-from wde.components.base import BuildContext, Component, Params
+from wde.components.base import BuildContext, Params
+from wde.components.kinds import Executor
 
 if TYPE_CHECKING:  # torch-heavy modules, needed for annotations only: validating a workflow imports no torch
     from wde.components.model_input_builder import ModelInput
     from wde.components.pooler import Pooled
 
 
-class Executor(Component):
-    """`submit` returns a future of (pooled outputs, seconds); at most `max_inflight` batches are pending."""
+class SyncExecutor(Executor):
+    """Runs each batch inline: the future is done when `submit` returns."""
 
-    kind = "executor"
-    max_inflight: int = 1
+    name = "sync"
+    Params = Params
 
     def __init__(self, params: Params, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
         self._runner = ctx.runner
-
-    def submit(self, batch: ModelInput) -> "Future[tuple[Pooled, float]]":
-        raise NotImplementedError
-
-    def shutdown(self) -> None:
-        """Release threads; the engine calls it when closed."""
-
-
-class SyncExecutor(Executor):
-    name = "sync"
-    Params = Params
 
     def submit(self, batch: ModelInput) -> "Future[tuple[Pooled, float]]":
         fut: Future[tuple[Pooled, float]] = Future()
@@ -56,6 +46,7 @@ class ThreadExecutor(Executor):
 
     def __init__(self, params: ThreadExecutorParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
+        self._runner = ctx.runner
         self.max_inflight = params.max_inflight
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wde-device")
 

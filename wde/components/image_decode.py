@@ -39,18 +39,18 @@ class ImageDecoder:
     def __init__(self, request_processor: Any, token_budget: int) -> None:
         self._request_processor = request_processor
         self._budget = token_budget
-        self.calls: int = getattr(request_processor, "workers", 1)
+        self.calls: int = request_processor.workers
         """Calls whose images are decoded at once: the request processor's `workers`, as it resolved "auto"."""
         self._pool: ThreadPoolExecutor | None = None
         """Started with the first call that holds an image: a text workflow never has it."""
 
     @classmethod
     def of(cls, engine: Any) -> "ImageDecoder | None":
-        """The decoder of an engine whose request processor decodes images (`preprocess` on its input
-        processor: the `image_text` workflows); None for a workflow that takes texts only."""
-        if getattr(engine.input_processor, "preprocess", None) is None:
+        """The decoder of an engine whose input processor `takes_images` (the `image_text` workflows); None for a
+        workflow that takes texts only."""
+        if not engine.input_processor.takes_images:
             return None
-        return cls(engine.components["request_processor"], getattr(engine.scheduler, "token_budget", engine.max_length))
+        return cls(engine.components["request_processor"], engine.scheduler.token_budget)
 
     @staticmethod
     def wanted(requests: Sequence[Request]) -> bool:

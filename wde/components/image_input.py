@@ -334,6 +334,7 @@ class ImageTextInputProcessor(TextInputProcessor):
 
     name = "image_text_input"
     Params = ImageTextInputParams
+    takes_images = True
 
     def __init__(self, params: ImageTextInputParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)

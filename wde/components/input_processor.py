@@ -12,7 +12,8 @@ from typing import Any, Literal, Mapping
 
 from pydantic import Field
 
-from wde.components.base import BuildContext, Component, Params
+from wde.components.base import BuildContext, Params
+from wde.components.kinds import InputProcessor
 from wde.errors import RequestError
 from wde.request import PairPrompt, PoolingParams, Prompt, Request, TextPrompt, TokensPrompt
 
@@ -30,7 +31,7 @@ class TextInputParams(Params):
     max_input_chars: int = Field(1_000_000, gt=0, description="reject longer texts before tokenizing them")
 
 
-class TextInputProcessor(Component):
+class TextInputProcessor(InputProcessor):
     """Accepts a str, `{"text": ...}`, `{"token_ids": [...]}` or, for cross-encoders, a (text, text_pair) pair.
 
     Prompts come from the workflow and from sentence-transformers' `config_sentence_transformers.json`
@@ -45,6 +46,7 @@ class TextInputProcessor(Component):
         super().__init__(params, ctx)
         st = ctx.source.read_json("config_sentence_transformers.json") or {}
         self.prompts: dict[str, str] = {**(st.get("prompts") or {}), **params.prompts}
+        self.pairs = params.pairs
         self.default_prompt_name = params.default_prompt_name or st.get("default_prompt_name")
         if self.default_prompt_name and self.default_prompt_name not in self.prompts:
             raise ValueError(f"input_processor.params.default_prompt_name {self.default_prompt_name!r} is not one of the prompts {sorted(self.prompts)}")

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from wde.components.base import BuildContext, Component, Params
+from wde.components.base import BuildContext, Params
+from wde.components.kinds import ModelInputBuilder
 from wde.components.scheduler import SchedulerOutput
 from wde.request import PoolingParams
 
@@ -138,7 +139,7 @@ class ModelInput:
         return pieces
 
 
-class PackedInputBuilder(Component):
+class PackedInputBuilder(ModelInputBuilder):
     """Concatenates token ids; positions restart at 0 for each sequence; `cu_seqlens` marks boundaries."""
 
     kind = "model_input_builder"

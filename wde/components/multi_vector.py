@@ -26,7 +26,8 @@ from typing import Any, Literal, Sequence
 
 import torch
 
-from wde.components.base import BuildContext, Component
+from wde.components.base import BuildContext
+from wde.components.kinds import Pooler
 from wde.components.input_processor import InputName, TextInputParams, TextInputProcessor
 from wde.components.model_input_builder import ModelInput, PackedInputBuilder
 from wde.components.models.fused import l2_normalize
@@ -183,7 +184,7 @@ class MultiVectorInputBuilder(PackedInputBuilder):
         return replace(built, key_mask=keys.pin_memory() if built.input_ids.is_pinned() else keys)
 
 
-class MultiVectorPooler(Component):
+class MultiVectorPooler(Pooler):
     """A MultiVectorEncoder's modules after the Transformer: `MultiVectorMask` (which tokens are scored, per task),
     the per-token projection (Stanford's `linear.weight`), Dense modules and Normalize, then a
     `HierarchicalTokenPooling`. Output 'colbert': each request's scored (or pooled) tokens' vectors, float32.

@@ -28,7 +28,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from wde.components.base import BuildContext, Component
+from wde.components.base import BuildContext
+from wde.components.kinds import Pooler
 from wde.components.model_input_builder import ModelInput, PackedInputBuilder
 from wde.components.params import ImageTextRequestParams, ProjectedPoolerParams
 from wde.components.pooler import Pooled, finish_embeddings
@@ -48,11 +49,10 @@ class ImageTextRequestProcessor(LazyTokenizeRequestProcessor):
 
     def __init__(self, params: ImageTextRequestParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
-        preprocess = getattr(ctx.input_processor, "preprocess", None)
-        if preprocess is None:
+        if not ctx.input_processor.takes_images:
             raise ModelLoadError("request processor 'image_text' needs an input processor that admits images"
                                  " (image_text_input)")
-        self._preprocess = preprocess
+        self._preprocess = ctx.input_processor.preprocess
         self.workers: int = min(4, os.cpu_count() or 1) if params.workers == "auto" else params.workers
         """Threads decoding one batch's images ("auto": up to 4); the serving ImageDecoder runs as many calls."""
         self._pad_id: int | None = None
@@ -174,7 +174,7 @@ def stack_padded(arrays: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-class ProjectedPooler(Component):
+class ProjectedPooler(Pooler):
     """For models whose forward returns one embedding per sequence, already pooled and projected into the shared
     text-image space ([num_seqs, dim]; `PrefillModel.pools = True`): per-request `dimensions` and normalization."""
 
@@ -185,7 +185,7 @@ class ProjectedPooler(Component):
     def __init__(self, params: ProjectedPoolerParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
         model = ctx.model
-        if not getattr(model, "pools", False):
+        if not model.pools:
             raise ModelLoadError(f"pooler 'projected' needs a model that pools and projects each sequence itself"
                                  f" (e.g. clip, siglip); model {model.name!r} returns per-token states")
         self.outputs: tuple[str, ...] = ("dense",)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 
-from wde.components.base import Component, Params
+from wde.components.base import Params
+from wde.components.kinds import OutputProcessor
 from wde.components.pooler import Pooled
 from wde.components.scheduler import SchedulerOutput
 from wde.request import RequestOutput
 
 
-class EmbeddingOutputProcessor(Component):
+class EmbeddingOutputProcessor(OutputProcessor):
     """Every pooled output becomes a numpy array under its name (e.g. `outputs["dense"]`)."""
 
     kind = "output_processor"

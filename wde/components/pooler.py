@@ -12,7 +12,8 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 
-from wde.components.base import BuildContext, Component
+from wde.components.base import BuildContext
+from wde.components.kinds import Pooler
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.fused import l2_normalize
 from wde.components.params import SentencePoolerParams  # torch-free, so validating a workflow needs no torch
@@ -240,7 +241,7 @@ class SpanPooling:
         raise NotImplementedError
 
 
-class SentencePooler(Component, ChunkedPooling, SpanPooling):
+class SentencePooler(Pooler, ChunkedPooling, SpanPooling):
     """sentence-transformers' pipeline after the Transformer, read from the model folder's `modules.json`:
     Pooling (CLS, mean, max, last token, weighted mean, mean/sqrt(len), concatenations, with or without the
     prompt's tokens), then its Dense / LayerNorm / Dropout / Normalize modules in order (output 'dense'); or

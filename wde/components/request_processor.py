@@ -14,7 +14,8 @@ from typing import Sequence
 
 from pydantic import Field
 
-from wde.components.base import BuildContext, Component, Params
+from wde.components.base import BuildContext, Params
+from wde.components.kinds import RequestProcessor
 from wde.chunking import split
 from wde.errors import ModelLoadError, RequestError, internal_error
 from wde.request import PairPrompt, Request, SchedulableRequest, TextPrompt, TokensPrompt
@@ -29,7 +30,7 @@ class LazyTokenizeParams(Params):
                     " input never stalls the batches of others; 0 tokenizes every request inline")
 
 
-class LazyTokenizeRequestProcessor(Component):
+class LazyTokenizeRequestProcessor(RequestProcessor):
     """Tokenizes scheduled requests in one batched call per prompt type and checks their length."""
 
     kind = "request_processor"

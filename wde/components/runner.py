@@ -6,14 +6,15 @@ import time
 
 import torch
 
-from wde.components.base import BuildContext, Component
+from wde.components.base import BuildContext
+from wde.components.kinds import Runner
 from wde.components.cpu_streams import CpuStreams, auto_streams
 from wde.components.model_input_builder import ModelInput
 from wde.components.params import TorchRunnerParams
 from wde.components.pooler import Pooled
 
 
-class TorchRunner(Component):
+class TorchRunner(Runner):
     """Runs model + pooler under `inference_mode`. Only this code touches the device.
 
     On CPU a batch of several sequences is split over `cpu_streams` (wde/components/cpu_streams.py)."""

@@ -18,7 +18,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from wde.components.base import BuildContext, Component, Params
+from wde.components.base import BuildContext, Params
+from wde.components.kinds import Scheduler
 from wde.request import Request, RequestOutput, SchedulableRequest
 
 
@@ -48,7 +49,7 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled)
 
 
-class FCFSScheduler(Component):
+class FCFSScheduler(Scheduler):
     """First come, first served; tokenizes lazily through the request processor as it fills a batch."""
 
     kind = "scheduler"
@@ -58,7 +59,7 @@ class FCFSScheduler(Component):
     def __init__(self, params: FCFSParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
         self._request_processor = ctx.request_processor
-        self._is_large = getattr(ctx.request_processor, "is_large", lambda request: False)
+        self._is_large = ctx.request_processor.is_large
         budget = params.max_num_batched_tokens
         if budget == "auto":
             from wde.device import default_device  # imports torch: only when an engine is built
@@ -66,6 +67,7 @@ class FCFSScheduler(Component):
             default = GPU_TOKEN_BUDGET if default_device().type == "cuda" else CPU_TOKEN_BUDGET
             budget = max(default, ctx.request_processor.max_length)
         self.token_budget: int = budget
+        self.max_num_requests: int = params.max_num_requests
         self._waiting: deque[Request] = deque()
         self._ready: deque[SchedulableRequest] = deque()
         self._aborted: set[str] = set()

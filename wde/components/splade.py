@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from wde.components.base import BuildContext, Component
+from wde.components.base import BuildContext
+from wde.components.kinds import Pooler
 from wde.components.model_input_builder import ModelInput
 from wde.components.output_processor import EmbeddingOutputProcessor
 from wde.components.params import SparseOutputParams, SpladePoolerParams  # torch-free, for validation
@@ -29,7 +30,7 @@ CHUNK_LOGITS = 1 << 24
 """Logits computed at once: tokens per chunk = this // vocabulary (64 MiB of float32 at a time)."""
 
 
-class SpladePooler(Component):
+class SpladePooler(Pooler):
     """SPLADE pooling of a masked-LM model's logits (the model must have `mlm_logits`, e.g. `bert_mlm`): output
     'sparse', the non-zero weights of each input with their token ids."""
 
@@ -41,9 +42,9 @@ class SpladePooler(Component):
     def __init__(self, params: SpladePoolerParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
         model = ctx.model
-        if not callable(getattr(model, "mlm_logits", None)):
+        if not model.has_mlm_head:
             raise ModelLoadError(f"pooler 'splade' pools masked-LM vocabulary logits, and model"
-                                 f" {getattr(model, 'name', type(model).__name__)!r} has no MLM head (mlm_logits); use"
+                                 f" {model.name!r} has no MLM head (mlm_logits); use"
                                  " model: {name: bert_mlm}")
         self.model = model
         folder = read_splade_config(ctx.source) or SpladeConfig()

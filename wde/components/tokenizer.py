@@ -11,7 +11,8 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 from pydantic import Field
 
-from wde.components.base import BuildContext, Component, Params
+from wde.components.base import BuildContext, Params
+from wde.components.kinds import Tokenizer
 from wde.errors import ModelLoadError, one_line
 from wde.request import PairPrompt, TextPrompt
 
@@ -44,7 +45,7 @@ class HFTokenizerParams(Params):
                              " has no tokenizer files; default: the model folder")
 
 
-class HFTokenizer(Component):
+class HFTokenizer(Tokenizer):
     """A Hugging Face fast tokenizer loaded from the model folder.
 
     The max length is the smallest of what the model allows (sentence-transformers' `max_seq_length`, the

@@ -5,7 +5,6 @@ image (CLIP, SigLIP: docs/images.md) its preprocessed pixel values: images are d
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from wde.components.base import BuildContext
@@ -33,10 +32,8 @@ class Frontend:
         self.input_processor = ctx.input_processor
         self.request_processor = ctx.request_processor
         self._budget = info.token_budget or info.max_length
-        workers = getattr(getattr(self.request_processor, "params", None), "workers", 1)
-        self.image_workers: int = min(4, os.cpu_count() or 1) if workers == "auto" else int(workers)
-        """Calls holding images decoded at once (as many as the request processor's `workers`, its own "auto"
-        rule): Pillow releases the interpreter lock, so concurrent single-image calls decode in parallel."""
+        self.image_workers: int = self.request_processor.workers
+        """Calls holding images decoded at once (as many as the request processor's `workers`): Pillow releases the interpreter lock, so concurrent single-image calls decode in parallel."""
 
     def make_request(self, inputs: Any, params: PoolingParams, request_id: str,
                      field: str | tuple[str, str]) -> Request:
@@ -48,8 +45,7 @@ class Frontend:
 
     def is_large(self, requests: list[Request]) -> bool:
         """Whether tokenizing these requests should leave the event loop (see `background_chars`)."""
-        is_large = getattr(self.request_processor, "is_large", None)
-        return is_large is not None and any(is_large(r) for r in requests)
+        return any(self.request_processor.is_large(r) for r in requests)
 
     @staticmethod
     def holds_images(requests: list[Request]) -> bool:
@@ -75,8 +71,5 @@ def core_image_request(request_id: str, pixel_values: Any, image_tokens: int, pa
     this model (dtype and shape) by the input processor, as a prepared `ImagePrompt` passed from Python is, so an
     array that does not fit fails alone here instead of failing a batch in the model. Raises `RequestError` naming
     the input (kind "bad_image") when they do not fit, or when this workflow takes no images."""
-    check = getattr(input_processor, "image_prompt", None)
-    if check is None:
-        raise RequestError(f"input is an image, but input processor {getattr(input_processor, 'name', '?')!r} of"
-                           " this workflow takes texts only", "input", kind="bad_image")
-    return Request(request_id, check(ImagePrompt(pixel_values, image_tokens), "input"), params)
+    prompt = input_processor.image_prompt(ImagePrompt(pixel_values, image_tokens), "input")  # refused: text only
+    return Request(request_id, prompt, params)

@@ -130,9 +130,8 @@ class ShardEmbedder:
 def open_images(engine: Any) -> int:
     """How many image requests `ShardEmbedder` keeps admitted at once: (batches in flight + 1) x the scheduler's
     requests per batch, at least `MIN_OPEN_IMAGES`."""
-    per_batch = getattr(getattr(engine.scheduler, "params", None), "max_num_requests", 256)
-    inflight = getattr(engine.executor, "max_inflight", 1)
-    return max(MIN_OPEN_IMAGES, (int(inflight) + 1) * int(per_batch))
+    per_batch = engine.scheduler.max_num_requests or engine.scheduler.token_budget
+    return max(MIN_OPEN_IMAGES, (int(engine.executor.max_inflight) + 1) * int(per_batch))
 
 
 def id_column(ids: Sequence[str | int]) -> Any:

@@ -123,8 +123,6 @@ class EmbedJob(BaseModel):
 
 
 def takes_images(input_processor: Any) -> bool:
-    """Whether an input processor (class or instance) admits images: it has the `image_prompt` of
-    `image_text_input` (wde/components/image_input.py) and the `preprocess` the `image_text` request processor
-    calls."""
-    return callable(getattr(input_processor, "image_prompt", None)) and \
-        callable(getattr(input_processor, "preprocess", None))
+    """Whether an input processor (class or instance) admits images (`InputProcessor.takes_images`: its
+    `image_prompt` and `preprocess` accept them, as `image_text_input`'s do)."""
+    return bool(input_processor.takes_images)

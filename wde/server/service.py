@@ -362,25 +362,22 @@ class Service:
     def prompts(self) -> dict[str, str]:
         """The served model's named prompts (`prompt_name`, Cohere's input types, Weaviate's task types); none for
         an input processor that defines none."""
-        return getattr(self.engine.input_processor, "prompts", {})
+        return dict(self.engine.input_processor.prompts)
 
     def hf_tokenizer(self) -> Any:
         """The tokenizer component, for the routes that tokenize or decode on their own (/tokenize, /decode,
         /detokenize); the 'unsupported' refusal when it exposes no Hugging Face tokenizer."""
         component = self.engine.tokenizer
-        if not hasattr(component, "hf_tokenizer"):
+        if component.hf_tokenizer is None:
             raise ApiError("unsupported", "this workflow's tokenizer does not expose a Hugging Face tokenizer")
         return component
 
     def check_texts(self, texts: Sequence[str], names: Sequence[str]) -> None:
-        """The input processor's own text check (`check_text`, where it has one) on texts a route tokenizes
-        itself, each refusal an `ApiError` naming the input."""
-        check = getattr(self.engine.input_processor, "check_text", None)
-        if check is None:
-            return
+        """The input processor's own text check (`check_text`) on texts a route tokenizes itself, each refusal an
+        `ApiError` naming the input."""
         for text, name in zip(texts, names):
             try:
-                check(text, name)
+                self.engine.input_processor.check_text(text, name)
             except RequestError as e:
                 raise api_error(e) from None
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from wde.api import (BertModel, BuildContext, Component, HFTokenizer, ModelInput, ModelLoadError, Params, Pooled,
+from wde.api import (BertModel, BuildContext, HFTokenizer, ModelInput, ModelLoadError, Params, Pooled, Pooler,
                      check_key_mask, l2_normalize, segment_ids)
 from wde_plugin_colbert.params import ColbertModelParams, ColbertTokenizerParams
 
@@ -81,8 +81,7 @@ class ColbertModel(BertModel):
         return super().forward(batch)
 
 
-class ColbertPooler(Component):
-    kind = "pooler"
+class ColbertPooler(Pooler):
     name = "colbert_linear"
     outputs = ("colbert",)
     similarity_fn_name = "maxsim"

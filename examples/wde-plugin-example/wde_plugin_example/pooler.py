@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from wde.components.base import BuildContext, Component
-from wde.components.model_input_builder import ModelInput
-from wde.components.pooler import Pooled, finish_embeddings, pool
+from wde.api import BuildContext, ModelInput, Pooled, Pooler, finish_embeddings, pool
 from wde_plugin_example.params import MeanMaxParams
 
 
-class MeanMaxPooler(Component):
+class MeanMaxPooler(Pooler):
     """Pools packed hidden states per sequence with `pool()` from the core, so packing stays the core's job."""
 
-    kind = "pooler"
     name = "mean_max"
     Params = MeanMaxParams
     outputs = ("dense",)

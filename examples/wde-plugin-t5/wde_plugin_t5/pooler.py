@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from wde.api import (BuildContext, Component, ModelInput, ModelLoadError, Pooled, finish_embeddings, pool,
+from wde.api import (BuildContext, ModelInput, ModelLoadError, Pooled, Pooler, finish_embeddings, pool,
                      st_pooling_mode)
 from wde_plugin_t5.params import DensePoolerParams
 
@@ -51,11 +51,10 @@ def _load_dense(folder: Path) -> nn.Sequential:
     return nn.Sequential(linear, ACTIVATIONS[act_name]())
 
 
-class SentenceDensePooler(Component):
+class SentenceDensePooler(Pooler):
     """Pooling (mode from the ST config or `pooling`), every Dense module in `modules.json` order, then the
     per-request `dimensions` / `normalize` handling of `finish_embeddings` (output 'dense')."""
 
-    kind = "pooler"
     name = "sentence_dense"
     Params = DensePoolerParams
     outputs = ("dense",)

@@ -7,7 +7,8 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from wde.components.base import BuildContext, Component
+from wde.components.base import BuildContext
+from wde.components.kinds import Attention
 from wde.components.model_input_builder import ModelInput
 from wde.components.params import AttentionParams  # torch-free, so validating a workflow needs no torch
 
@@ -103,7 +104,7 @@ def check_bias(bias: torch.Tensor, num_seqs: int, max_seqlen: int) -> None:
         raise ValueError(f"attention bias must be a floating-point tensor, got {bias.dtype}")
 
 
-class AttentionBackend(Component):
+class AttentionBackend(Attention):
     """Computes attention for packed q/k/v of shape [tokens, heads, head_dim]; k/v may have fewer heads (GQA)."""
 
     kind = "attention"

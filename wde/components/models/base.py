@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from wde.components.attention.base import AttentionBackend, AttentionMetadata, Window
-from wde.components.base import BuildContext, Component, Params
+from wde.components.base import BuildContext
+from wde.components.kinds import Model
 from wde.components.lora import ADAPTER_OPTION, NO_ADAPTER, LoraSet
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.cpu_linear import pack_linears, resolve_cpu_linear
@@ -58,7 +59,7 @@ def check_model_type(model: Any, ctx: BuildContext) -> None:
                              f" {model_type!r}")
 
 
-class PrefillModel(nn.Module, Component):
+class PrefillModel(nn.Module, Model):
     """A model over packed tokens. Subclasses build their layers in `build(config)` and implement `forward`.
 
     Class attributes describe the checkpoint so the loader stays generic (nano-vllm's habit):
@@ -151,8 +152,7 @@ class PrefillModel(nn.Module, Component):
         self.linear_backend = resolve_cpu_linear(params.cpu_linear, self.device, self.linear_dtype)
         """"torch" or "onednn": the path this model's linear layers take."""
         if self.linear_backend == "onednn":
-            scheduler = ctx.components.get("scheduler")
-            pack_linears(self, int(getattr(scheduler, "token_budget", 2048)))
+            pack_linears(self, ctx.scheduler.token_budget)
 
     def before_packing(self, ctx: BuildContext) -> None:
         """Runs once the checkpoint is loaded (and, in mixed precision, the linear layers cast), before the CPU
@@ -215,7 +215,7 @@ class PrefillModel(nn.Module, Component):
     def _check_position_table(self, ctx: BuildContext) -> None:
         """Refuse a tokenizer that lets inputs overrun the position table (which would fail mid-batch)."""
         table = self.position_table_size(self.config)
-        limit = getattr(ctx.components.get("tokenizer"), "max_length", None)
+        limit = ctx.tokenizer.max_length
         if table is None or not isinstance(limit, int):
             return
         offset = self.position_offset_for(self.config)

@@ -56,6 +56,7 @@ class BertForMaskedLM(BertModel):
     embeddings, an untied one (`tie_word_embeddings: false`) loads from `cls.predictions.decoder.weight`."""
 
     name = "bert_mlm"
+    has_mlm_head = True
     checkpoint_prefixes = ("bert.",)
     checkpoint_name_mapping = {"predictions.decoder.bias": "predictions.bias"}
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from wde.components.base import BuildContext, Component
+from wde.components.kinds import Model
 from wde.components.col_retrieval import qwen2_vl_images
 from wde.components.col_retrieval_input import FAMILIES
 from wde.components.model_input_builder import ModelInput
@@ -39,7 +40,7 @@ TAKEN = ("dtype", "device")
 """The model params this component reads; any other set away from its default is refused by name."""
 
 
-class ColRetrievalModel(nn.Module, Component):
+class ColRetrievalModel(nn.Module, Model):
     """A ColPali / ColQwen2 folder's transformers model over WDE batches (see the module docstring)."""
 
     kind = "model"
@@ -63,7 +64,7 @@ class ColRetrievalModel(nn.Module, Component):
                                  f" transformers' modules as they are: no WDE linear kernels, mixed precision or LoRA);"
                                  f" it takes {' and '.join(TAKEN)}")
         attention = ctx.attention
-        if attention.name != "auto" or getattr(attention.params, "causal", None) is not None:
+        if attention.name != "auto" or attention.params.causal is not None:
             raise ModelLoadError("attention: model 'col_retrieval' runs transformers' own attention (its masks as the"
                                  " model defines them); leave the workflow's attention at {name: auto} without params")
         self.config = cfg
@@ -74,7 +75,7 @@ class ColRetrievalModel(nn.Module, Component):
         self.pad_id = int(getattr(text, "pad_token_id", None) or 0)
         self.image_token_id = int(cfg.vlm_config.image_token_id if self.family == "colqwen2"
                                   else cfg.vlm_config.image_token_index)
-        tokenizer_id = getattr(ctx.input_processor, "image_token_id", None)
+        tokenizer_id = ctx.input_processor.image_token_id
         if tokenizer_id is not None and tokenizer_id != self.image_token_id:
             key = "image_token_id" if self.family == "colqwen2" else "image_token_index"
             raise ModelLoadError(f"{ctx.source.path}: the tokenizer's image token is id {tokenizer_id} but"
