@@ -289,6 +289,40 @@ def test_several_models_behind_one_router(cluster: str, tmp_path: Path) -> None:
         assert 'wde_queue_depth{model="beta"}' in client.get("/metrics", params={"model": "beta"}).text
     r = httpx.post(f"{cluster}/v1/embeddings", json={"model": "gamma", "input": "x"}, timeout=120)
     assert r.status_code == 401  # without the key the router leaks no model names
+
+    # beta's only replica killed under load: nothing hangs (Ray's handle resends the router's calls once the
+    # replacement serves; one that fails is answered 503 with Retry-After), and beta serves again
+    answers: list = []
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(base_url=cluster, timeout=120, headers=auth) as c:
+            while not stop.is_set():
+                try:
+                    r = c.post("/v1/embeddings", json={"model": "beta", "input": tiny_models.corpus(16)})
+                    answers.append((r.status_code, r.headers.get("retry-after"), r.json()))
+                except httpx.HTTPError as e:
+                    answers.append((repr(e), None, None))
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for("requests to beta", lambda: len(answers) >= 8)
+        victim = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a["name"].startswith("SERVE_REPLICA::many#WDE-1#"))
+        ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+        wait_for("beta's replica replaced", lambda: replicas("many", "WDE-1") == 1
+                 and replicas("many", "WDE-1", "STARTING") == 0 and len(answers) >= 40)
+        done = len(answers)
+        wait_for("beta answering again", lambda: len(answers) >= done + 4)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(150)
+    errors = [a for a in answers if a[0] != 200]
+    assert all(a[0] == 503 and a[1] == "1" and "retrying is safe" in a[2]["error"]["message"] for a in errors), errors
+    assert answers[-1][0] == 200
     serve.delete("many")
 
 
