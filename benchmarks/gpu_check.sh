@@ -41,6 +41,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
 # (no index: nothing can be fetched there), then WDE itself, editable, so wde.kernels / wde.workflows map as installed.
 if [ -d .gpu/wheels ]; then
     $PY -m pip install -q --no-index --find-links .gpu/wheels fastapi uvicorn orjson pyzmq msgspec pydantic 2>&1 | tail -3
+    $PY -m pip install -q --no-index --no-deps --find-links .gpu/wheels peft accelerate 2>&1 | tail -3
 fi
 $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 TOK=${TOK:-.gpu/tok}   # a folder with a real tokenizer (MiniLM's, weights not needed): the random models' vocabulary
