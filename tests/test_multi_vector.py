@@ -363,7 +363,7 @@ def test_wde_embed_writes_multi_vector_rows_for_queries_and_documents(colbert: E
         out = tmp_path / f"{task}.parquet"
         done = CliRunner().invoke(main, ["embed", "-m", str(colbert_minilm), "--input", str(src), "--output", str(out),
                                          "--outputs", "colbert", "--option", f"task={task}", "--truncate"])
-        assert done.exit_code == 0, done.output
+        assert done.exit_code == 0 and f"wrote 3 rows to {out}" in done.output, done.output
         rows = pq.read_table(out).column("colbert").to_pylist()
         want = colbert.encode(TEXTS[:3], params)
         for row, w in zip(rows, want):

@@ -247,7 +247,7 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_fi
                 except (Interrupted, KeyboardInterrupt) as e:
                     signum = e.signum if isinstance(e, Interrupted) else 2
                     raise Interrupted(signum, "interrupted; a --ray run does not resume: re-run with --overwrite")
-                click.echo(f"wrote {rows} x {dim} embeddings to {output}")
+                click.echo(f"wrote {_written(rows, dim)} to {output}")
                 return
             summary = run_embed(job, workers=workers, devices=device_list, resume=resume, overwrite=overwrite,
                                 progress=sys.stderr.isatty() if progress is None else progress,
@@ -258,10 +258,10 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_fi
         click.echo(str(e), err=True)
         sys.exit(e.exit_code)
     if summary.already_complete:
-        click.echo(f"nothing to do: {output} is complete ({summary.rows} x {summary.dim} embeddings)")
+        click.echo(f"nothing to do: {output} is complete ({_written(summary.rows, summary.dim)})")
         return
     resumed = f", {summary.shards_skipped} shard(s) kept from an earlier run" if summary.shards_skipped else ""
-    click.echo(f"wrote {summary.rows} x {summary.dim} embeddings to {output}"
+    click.echo(f"wrote {_written(summary.rows, summary.dim)} to {output}"
                f" ({summary.tokens:,} tokens in {summary.seconds:.1f}s{resumed})")
 
 
@@ -460,3 +460,9 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
 
 if __name__ == "__main__":
     main()
+
+
+def _written(rows: int, dim: int) -> str:
+    """What `wde embed` wrote: rows x width for a fixed-width `embedding` column, else rows (a ragged output such
+    as `colbert`: a list of token vectors per row)."""
+    return f"{rows} x {dim} embeddings" if dim else f"{rows} rows"
