@@ -20,6 +20,7 @@ import wde
 from wde.async_engine import AsyncEngine
 from wde.core.client import CoreClient
 from wde.engine import Engine
+from wde.serving import ServingFrontEnd
 from wde.server import (cohere_routes, lora_routes, openai_routes, rerank_routes, score_routes, tei_routes,
                         weaviate_routes)
 from wde.server.config import ServerConfig
@@ -53,7 +54,7 @@ def create_app(engine: Engine | CoreClient | Sequence[Engine | CoreClient],
                          " its config; give one per model, in order")
     metrics = ServerMetrics()
     names = name_table(config.served_models())
-    async_engines: list[AsyncEngine | CoreClient] = []
+    async_engines: list[ServingFrontEnd] = []
     for i, each in enumerate(engines):
         model_metrics = metrics.for_model(names[i][0])
         if isinstance(each, Engine):
@@ -66,7 +67,7 @@ def create_app(engine: Engine | CoreClient | Sequence[Engine | CoreClient],
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        started: list[AsyncEngine | CoreClient] = []
+        started: list[ServingFrontEnd] = []
         try:
             for each in async_engines:
                 each.start()

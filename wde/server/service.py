@@ -15,14 +15,13 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 import numpy as np
 from fastapi import Request
 
-from wde.async_engine import AsyncEngine, EngineOverloaded, EngineTimeout, EngineUnavailable, input_names
 from wde.components.image_input import ImageTextInputProcessor, is_image
 from wde.components.lora import ADAPTER_OPTION, NO_ADAPTER
 from wde.components.scorer import Scorer, scoring_plan
-from wde.core.client import CoreClient
 from wde.engine_info import EngineInfo
 from wde.errors import RequestError
 from wde.request import PoolingParams, RequestOutput
+from wde.serving import EngineOverloaded, EngineTimeout, EngineUnavailable, ServingFrontEnd, input_names
 from wde.server.config import ServerConfig
 from wde.server.errors import ApiError, ErrorKind, request_id
 from wde.server.image_fetch import FetchLimits, ImageFetcher
@@ -106,7 +105,7 @@ class Result:
 class Service:
     """One served model behind the API: its engine, its names, and the server's limits (`config`)."""
 
-    def __init__(self, engine: AsyncEngine | CoreClient, config: ServerConfig, metrics: ServerMetrics,
+    def __init__(self, engine: ServingFrontEnd, config: ServerConfig, metrics: ServerMetrics,
                  index: int = 0) -> None:
         self.engine = engine
         self.config = config
