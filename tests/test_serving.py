@@ -23,6 +23,7 @@ class ScriptedCore:
     """Answers a request `echo:<text>` at once, never answers `hang`, refuses `bad` while preparing."""
 
     info = None
+    source = None
     tokenizer = None
     num_restarts = 0
     seconds_since_step = 0.0

@@ -47,6 +47,7 @@ class InProcessCore:
     def __init__(self, engine: Engine, *, max_restarts: int = 5, restart_window_s: float = 60.0) -> None:
         self.engine = engine
         self.info = engine.info
+        self.source = engine.source
         self.tokenizer = engine.tokenizer
         self.input_processor = engine.input_processor
         self.restarts = RestartBudget(max_restarts, restart_window_s)

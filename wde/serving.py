@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from wde.engine_info import EngineInfo
+from wde.model_source import ModelSource
 from wde.request import PoolingParams, Request, RequestOutput
 
 log = logging.getLogger("wde.serving")
@@ -67,6 +68,8 @@ class CoreTransport(Protocol):
     and dropped or queued whole)."""
 
     info: EngineInfo
+    source: ModelSource
+    """The model folder the core serves."""
     tokenizer: Any
     input_processor: Any
     num_restarts: int
@@ -121,6 +124,8 @@ class ServingFrontEnd:
                  on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.core = core
         self.info: EngineInfo = core.info
+        self.source: ModelSource = core.source
+        """The served model's folder."""
         self.tokenizer = core.tokenizer
         self.input_processor = core.input_processor
         self.max_concurrent_requests = max_concurrent_requests

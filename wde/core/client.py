@@ -42,6 +42,7 @@ class ZmqCore:
     def __init__(self, frontend: Frontend, address: str, *, routing_id: bytes | None = None) -> None:
         self.frontend = frontend
         self.info = frontend.info
+        self.source = frontend.source
         self.tokenizer = frontend.tokenizer
         self.input_processor = frontend.input_processor
         self.make_request = frontend.make_request

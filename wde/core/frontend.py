@@ -23,6 +23,7 @@ KINDS = ("tokenizer", "input_processor", "request_processor")
 class Frontend:
     def __init__(self, workflow: ResolvedWorkflow, source: ModelSource, info: EngineInfo) -> None:
         self.workflow = workflow
+        self.source = source
         self.info = info
         ctx = BuildContext(source, workflow.name)
         for kind in KINDS:

@@ -31,7 +31,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import Field
 
-from wde.model_source import resolve_model_path
 from wde.request import PoolingParams
 from wde.server.errors import ApiError
 from wde.server.protocol import Body, body_schema, parse, read_json
@@ -146,10 +145,9 @@ def task_prompt(task_type: str | None, svc: Service) -> str | None:
 
 
 def model_folder(svc: Service) -> Path:
-    """The served model's folder: the in-process engine's own, else (an API server of a split engine) the one
-    `wde serve --model` resolves to, as the engine core did."""
-    source = getattr(getattr(svc.engine, "engine", None), "source", None)
-    return source.path if source is not None else resolve_model_path(svc.served.model)
+    """The served model's folder (in an API server of a split engine, the one `wde serve --model` resolves to, as
+    the engine core did)."""
+    return svc.engine.source.path
 
 
 @lru_cache(maxsize=4)
