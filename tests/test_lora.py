@@ -383,3 +383,23 @@ def test_a_plugin_rewrites_weights_before_they_are_packed() -> None:
                                                                 f"model.params.cpu_linear={linear}"]) as engine:
             got = np.stack([o.outputs["dense"] for o in engine.encode(TEXTS)])
         assert np.abs(got - want).max() <= TOL, linear
+
+
+def test_adapters_with_a_head_reading_a_skipped_layer_are_refused(tmp_path: Path) -> None:
+    """BERT skips adapter deltas on `pooler.dense` (no embedding output reads it); BertForSequenceClassification's
+    head reads it, so LoRA on a BERT classifier is refused at build instead of scoring without the delta."""
+    from transformers import BertForSequenceClassification
+
+    from tests.tiny_models import build_bert
+
+    base = build_bert(tmp_path / "base")
+    cls = BertForSequenceClassification.from_pretrained(base, num_labels=1).eval()
+    cls.save_pretrained(tmp_path / "ce")
+    for f in base.iterdir():  # the tokenizer's files
+        if f.name not in ("config.json", "model.safetensors"):
+            (tmp_path / "ce" / f.name).write_bytes(f.read_bytes())
+    adapter = make_adapter(str(tmp_path / "ce"), tmp_path / "a", seed=1, target_modules=["query", "dense"])
+    with pytest.raises(ModelLoadError, match=r"classification head: it reads pooler\.dense"):
+        Engine.from_workflow("cross_encoder", str(tmp_path / "ce"), device="cpu", lora_modules={"a": str(adapter)})
+    with Engine.from_workflow("cross_encoder", str(tmp_path / "ce"), device="cpu") as plain:  # without adapters: fine
+        assert plain.score([("a query", "a document")])

@@ -151,6 +151,21 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def _refuse_skipped_lora(ctx: BuildContext, head_cls: type[nn.Module]) -> None:
+    """A model taking LoRA adapters skips their deltas on layers no embedding output reads (`lora_skipped_modules`:
+    BERT's pooler); a head that reads such a layer from the checkpoint (BertForSequenceClassification's
+    `pooler.dense`) would run without the adapter's delta, so adapters and this head are refused together."""
+    if ctx.model.lora is None:
+        return
+    strip: tuple[str, ...] = head_cls.prefixes  # type: ignore[attr-defined]
+    read = [p.removeprefix(next((s for s in strip if p.startswith(s)), ""))
+            for p in head_cls.tensor_prefixes]  # type: ignore[attr-defined]
+    clash = [m for m in ctx.model.lora_skipped_modules if any(f"{m}.".startswith(p) for p in read)]
+    if clash:
+        raise ModelLoadError(f"LoRA adapters are not supported with this classification head: it reads"
+                             f" {', '.join(clash)} from the checkpoint, a layer that takes no adapter delta here")
+
+
 class ClassifierPooler(Pooler):
     """Runs the classification head on the first token of every sequence (output 'score' or 'probs').
 
@@ -198,6 +213,7 @@ class ClassifierPooler(Pooler):
         head_cls = HEADS.get(model_type)
         if head_cls is None:
             raise ModelLoadError(f"no classification head for model_type {model_type!r}; supported: {sorted(HEADS)}")
+        _refuse_skipped_lora(ctx, head_cls)
         from_config = getattr(head_cls, "from_config", None)
         head = from_config(cfg) if from_config is not None else head_cls(int(cfg.hidden_size), int(cfg.num_labels))
         try:
