@@ -21,6 +21,7 @@ from wde import Engine
 from wde.components.attention import cpu_varlen
 from wde.components.attention.auto import AutoBackend
 from wde.components.attention.base import AttentionBackend, window_keys
+from wde.components.attention.cpu_flash import CpuFlashVarlenBackend, prefer_cpu_flash
 from wde.components.attention.cpu_varlen import CpuVarlenBackend
 from wde.components.attention.torch_sdpa import TorchSDPABackend
 from wde.components.model_input_builder import ModelInput
@@ -83,6 +84,7 @@ def auto_backend() -> AttentionBackend:
     auto = bare_backend(AutoBackend)
     auto._cpu = auto._cuda = bare_backend(TorchSDPABackend)  # type: ignore[attr-defined]
     auto._cpu_varlen = bare_backend(CpuVarlenBackend)  # type: ignore[attr-defined]
+    auto._cpu_flash = bare_backend(CpuFlashVarlenBackend)  # type: ignore[attr-defined]
     return auto
 
 
@@ -104,8 +106,9 @@ def test_cpu_backends_match_the_dense_reference(name: str, lens: list[int], caus
     bias = attention_bias(lens) if biased else None
     meta = backend.build_metadata(masked_batch(lens, mask), causal, bias, window)
     assert meta.key_mask is mask
-    if name == "auto":  # both routes: a window or long sequences go to cpu_varlen, unless there is a bias
-        routed = CpuVarlenBackend if not biased and (window or lens is LONG) else TorchSDPABackend
+    if name == "auto":  # unbiased: cpu_flash_varlen where its kernel is built, else a window or long sequences go
+        routed = CpuVarlenBackend if not biased and (window or lens is LONG) else TorchSDPABackend  # to cpu_varlen
+        routed = CpuFlashVarlenBackend if not biased and prefer_cpu_flash() else routed
         assert type(meta.extra[0]) is routed
     out = backend.forward(q, k, v, meta, 0.3)
     expected = reference(q, k, v, lens, mask, causal, window, bias, 0.3)

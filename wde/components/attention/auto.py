@@ -1,10 +1,12 @@
 """`auto`: the fastest attention backend that runs where the batch is.
 
 CUDA batches go to the Triton varlen kernel (no padding at all; 2–12x faster than padded SDPA in
-docs/benchmarks.md). CPU batches go to `cpu_varlen` (per-sequence SDPA on views of the packed tensors) when
-their sequences are long enough for it to win (`cpu_varlen.prefer_varlen`), else to `torch_sdpa`. The choice
-is made per batch from the tensors' device and lengths, so a model placed on CPU on a machine with a GPU still
-works.
+docs/benchmarks.md). CPU batches go to `cpu_flash_varlen` (the whole packed batch in one C++ kernel call; 1.8–3.5x
+`torch_sdpa` on short and long texts in docs/benchmarks.md) where its kernel is built (`cpu_flash.prefer_cpu_flash`);
+else to `cpu_varlen` (per-sequence SDPA on views of the packed tensors) when their sequences are long enough for it
+to win (`cpu_varlen.prefer_varlen`), else to `torch_sdpa`. A batch with an additive bias stays on `torch_sdpa`.
+The choice is made per batch from the tensors' device and lengths, so a model placed on CPU on a machine with a GPU
+still works.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from wde.components.attention.base import AttentionBackend, AttentionMetadata, AttentionParams, Window
+from wde.components.attention.cpu_flash import CpuFlashVarlenBackend, prefer_cpu_flash
 from wde.components.attention.cpu_varlen import CpuVarlenBackend, prefer_varlen
 from wde.components.attention.torch_sdpa import TorchSDPABackend, covering
 from wde.components.base import BuildContext
@@ -28,6 +31,7 @@ class AutoBackend(AttentionBackend):
         super().__init__(params, ctx)
         self._cpu: AttentionBackend = TorchSDPABackend(params, ctx)
         self._cpu_varlen: AttentionBackend = CpuVarlenBackend(params, ctx)
+        self._cpu_flash: AttentionBackend = CpuFlashVarlenBackend(params, ctx)
         self._cuda: AttentionBackend = self._cpu
         if torch.cuda.is_available():
             from wde.components.attention.triton_varlen import TritonVarlenBackend
@@ -38,9 +42,13 @@ class AutoBackend(AttentionBackend):
                        window: Window | None = None) -> AttentionMetadata:
         if batch.input_ids.is_cuda:
             backend = self._cuda
-        else:  # cpu_varlen takes no bias: a biased batch stays on torch_sdpa; a window costs it no mask
+        elif bias is not None:  # neither varlen backend takes a bias
+            backend = self._cpu
+        elif prefer_cpu_flash():
+            backend = self._cpu_flash
+        else:  # a window costs cpu_varlen no mask
             varlen = prefer_varlen(batch.seq_lens) or (window is not None and covering(window, batch.max_seqlen))
-            backend = self._cpu_varlen if bias is None and varlen else self._cpu
+            backend = self._cpu_varlen if varlen else self._cpu
         meta = backend.build_metadata(batch, causal, bias, window)
         return AttentionMetadata(meta.cu_seqlens, meta.seq_lens, meta.max_seqlen, meta.causal, (backend, meta),
                                  bias=bias, window=window, positions=batch.positions, key_mask=meta.key_mask)

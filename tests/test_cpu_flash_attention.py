@@ -1,0 +1,231 @@
+"""`cpu_flash_varlen` (the packed C++ flash kernel) equals a float64 reference and `torch_sdpa` on random packed
+batches (lengths 1..600, causal or not, windows, key masks with rows left without a key, GQA, float32 and bfloat16),
+falls back to `cpu_varlen` where its kernel is switched off or cannot be built, stays correct when built for AVX2
+under torch's AVX2 cap, is what `auto` picks on CPU, and MiniLM served with it matches sentence-transformers."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.batches import bare_backend, packed_batch
+from tests.tiny_models import varied_texts
+from wde import Engine
+from wde.components.attention import cpu_flash
+from wde.components.attention.auto import AutoBackend
+from wde.components.attention.cpu_flash import CpuFlashVarlenBackend, load_kernel
+from wde.components.attention.cpu_varlen import CpuVarlenBackend
+from wde.components.attention.torch_sdpa import TorchSDPABackend
+from wde.components.model_input_builder import ModelInput
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def with_mask(lens: list[int], mask: torch.Tensor | None) -> ModelInput:
+    batch = packed_batch(lens)
+    batch.key_mask = mask
+    return batch
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], causal: bool,
+              window: tuple[int, int] | None, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Dense float64 attention per sequence; a query with no key to attend outputs zeros."""
+    out, start = [], 0
+    for n in lens:
+        qs, ks, vs = (x[start:start + n].double().transpose(0, 1) for x in (q, k, v))
+        rep = qs.shape[0] // ks.shape[0]
+        ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        keep = torch.ones(n, n, dtype=torch.bool)
+        if window is not None:
+            keep = (j >= i - window[0]) & (j <= i + window[1])
+        if causal:
+            keep = keep & (j <= i)
+        if mask is not None:
+            keep = keep & mask[start:start + n][None, :]
+        scores = (qs @ ks.transpose(1, 2) * scale).masked_fill(~keep, -math.inf)
+        out.append((scores.softmax(-1).nan_to_num(0.0) @ vs).transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+def case(seed: int, dtype: torch.dtype, head_dim: int, kv_heads: int, masked: bool):
+    rng = random.Random(seed)
+    lens = [rng.randint(1, 600) for _ in range(3)] + [rng.randint(1, 40) for _ in range(6)] + [1, 600]
+    rng.shuffle(lens)
+    t = sum(lens)
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(t, 4 + 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([4, kv_heads, kv_heads], dim=1)  # strided views of one projection, as the models make them
+    mask = None
+    if masked:
+        mask = torch.rand(t, generator=gen) > 0.3
+        mask[:lens[0]] = False  # a sequence with no key at all: every row outputs zeros
+    return lens, q, k, v, mask
+
+
+def tolerance(dtype: torch.dtype, expected: torch.Tensor) -> float:
+    """float32: 1e-5; bfloat16: two units in the last place of the largest output (the output is rounded to bf16)."""
+    return 1e-5 if dtype == torch.float32 else 2 * 2.0 ** -7 * max(1.0, float(expected.abs().max()))
+
+
+needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="cpu_flash_varlen's kernel cannot be built here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("window", [None, (7, 3), (100, 0)], ids=["global", "window", "left-window"])
+@pytest.mark.parametrize("masked", [False, True], ids=["all-keys", "key-mask"])
+@pytest.mark.parametrize(("head_dim", "kv_heads"), [(32, 4), (64, 2), (48, 1)], ids=["d32", "d64-gqa", "d48-mqa"])
+def test_matches_a_float64_reference(dtype: torch.dtype, causal: bool, window: tuple | None, masked: bool,
+                                     head_dim: int, kv_heads: int) -> None:
+    lens, q, k, v, mask = case(head_dim + kv_heads + causal, dtype, head_dim, kv_heads, masked)
+    backend = bare_backend(CpuFlashVarlenBackend)
+    meta = backend.build_metadata(with_mask(lens, mask), causal, window=window)
+    assert meta.extra[0] == "flash"
+    out = backend.forward(q, k, v, meta, head_dim ** -0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    expected = reference(q, k, v, lens, causal, window, mask, head_dim ** -0.5)
+    err = float((out.double() - expected).abs().max())
+    assert err <= tolerance(dtype, expected), f"max abs diff {err:.2e}"
+    if mask is not None:
+        assert bool((out[:lens[0]] == 0).all())  # no key to attend: zeros, never NaN
+    sdpa = bare_backend(TorchSDPABackend)
+    theirs = sdpa.forward(q, k, v, sdpa.build_metadata(with_mask(lens, mask), causal, window=window), head_dim ** -0.5)
+    assert float((out.double() - theirs.double()).abs().max()) <= 2 * tolerance(dtype, expected)
+
+
+@needs_kernel
+def test_a_query_whose_only_causal_key_is_masked_outputs_zeros() -> None:
+    lens = [5, 1, 3]
+    mask = torch.tensor([False, True, True, True, True, False, False, True, True])
+    q, k, v = torch.randn(3, 9, 2, 16).unbind(0)
+    backend = bare_backend(CpuFlashVarlenBackend)
+    out = backend.forward(q, k, v, backend.build_metadata(with_mask(lens, mask), True), 0.25)
+    assert bool((out[[0, 5, 6]] == 0).all()) and bool((out[[1, 2, 3, 4, 7, 8]] != 0).any(-1).all())
+    torch.testing.assert_close(out, reference(q, k, v, lens, True, None, mask, 0.25).float(), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_float16_and_non_contiguous_head_dim_fall_back_to_cpu_varlen() -> None:
+    lens = [3, 17, 40]
+    backend = bare_backend(CpuFlashVarlenBackend)
+    meta = backend.build_metadata(packed_batch(lens), False, window=(4, 4))
+    q, k, v = torch.randn(3, 60, 4, 16).unbind(0)
+    expected = reference(q, k, v, lens, False, (4, 4), None, 0.25)
+    half = backend.forward(q.half(), k.half(), v.half(), meta, 0.25)
+    assert half.dtype == torch.float16 and float((half.double() - expected).abs().max()) <= 5e-3
+    strided = backend.forward(*(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)), meta, 0.25)
+    torch.testing.assert_close(strided, expected.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_bias_and_a_cuda_batch_are_refused_by_name() -> None:
+    backend = bare_backend(CpuFlashVarlenBackend)
+    with pytest.raises(ValueError, match="cpu_flash_varlen.*bias.*torch_sdpa"):
+        backend.build_metadata(packed_batch([3, 2]), False, torch.zeros(4, 3, 3))
+    batch = packed_batch([3, 2])
+    batch.input_ids = torch.empty(5, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match="cpu_flash_varlen.*CPU tensors.*meta"):
+        backend.build_metadata(batch, False)
+
+
+@pytest.fixture
+def fresh_kernel_state(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """`load_kernel` re-decides under the test's environment, and decides again (from the real one) after it."""
+    load_kernel.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    load_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("why", ["switched off", "no compiler"])
+def test_without_the_kernel_it_computes_the_same_as_cpu_varlen(fresh_kernel_state: pytest.MonkeyPatch, why: str,
+                                                                tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    if why == "switched off":
+        fresh_kernel_state.setenv("WDE_CPU_FLASH", "0")
+    else:  # a real build attempt in an empty cache, with a compiler that does not exist
+        fresh_kernel_state.setenv("WDE_KERNEL_CACHE", str(tmp_path))
+        fresh_kernel_state.setenv("CXX", str(tmp_path / "no-such-g++"))
+    with caplog.at_level(logging.WARNING, logger="wde"):
+        assert load_kernel() is None
+    assert any("cpu_flash_varlen" in r.getMessage() and "cpu_varlen" in r.getMessage() for r in caplog.records)
+    lens = [1, 30, 200, 30, 30]
+    mask = torch.rand(sum(lens)) > 0.2
+    q, k, v = torch.randn(3, sum(lens), 4, 16).unbind(0)
+    flash, varlen = bare_backend(CpuFlashVarlenBackend), bare_backend(CpuVarlenBackend)
+    for causal, window in ((False, None), (True, (8, 0))):
+        out = flash.forward(q, k, v, flash.build_metadata(with_mask(lens, mask), causal, window=window), 0.25)
+        same = varlen.forward(q, k, v, varlen.build_metadata(with_mask(lens, mask), causal, window=window), 0.25)
+        assert torch.equal(out, same)
+        torch.testing.assert_close(out, reference(q, k, v, lens, causal, window, mask, 0.25).float(), atol=1e-5,
+                                   rtol=1e-5)
+    assert not cpu_flash.prefer_cpu_flash()
+
+
+def test_auto_picks_cpu_flash_varlen_for_unbiased_cpu_batches_where_it_is_built(
+        fresh_kernel_state: pytest.MonkeyPatch) -> None:
+    auto = bare_backend(AutoBackend)
+    auto._cpu = auto._cuda = bare_backend(TorchSDPABackend)  # type: ignore[attr-defined]
+    auto._cpu_varlen = bare_backend(CpuVarlenBackend)  # type: ignore[attr-defined]
+    auto._cpu_flash = bare_backend(CpuFlashVarlenBackend)  # type: ignore[attr-defined]
+    short, long = packed_batch([5, 9, 3]), packed_batch([100, 300])
+    built = load_kernel() is not None
+    for batch in (short, long):
+        assert type(auto.build_metadata(batch, False).extra[0]) is (CpuFlashVarlenBackend if built else
+                                                                    CpuVarlenBackend if batch is long else
+                                                                    TorchSDPABackend)
+    assert type(auto.build_metadata(long, False, torch.zeros(4, 300, 300)).extra[0]) is TorchSDPABackend
+    fresh_kernel_state.setenv("WDE_CPU_FLASH", "0")
+    load_kernel.cache_clear()
+    assert type(auto.build_metadata(short, False).extra[0]) is TorchSDPABackend
+    assert type(auto.build_metadata(long, False).extra[0]) is CpuVarlenBackend
+
+
+@needs_kernel
+def test_the_avx2_build_is_correct_under_torchs_avx2_cap() -> None:
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    script = """
+import torch
+from wde.components.attention.cpu_flash import isa_flags, load_kernel
+from tests.test_cpu_flash_attention import case, reference, tolerance
+assert isa_flags() == ["-mavx2", "-mfma", "-mf16c"], isa_flags()
+kernel = load_kernel()
+assert kernel is not None
+for dtype in (torch.float32, torch.bfloat16):
+    for causal, window in ((False, None), (True, (9, 0)), (False, (5, 20))):
+        lens, q, k, v, mask = case(7, dtype, 64, 2, True)
+        cu = torch.tensor([0] + lens).cumsum(0)
+        out = kernel.varlen_attention(q, k, v, cu, mask, causal, *(window or (-1, -1)), 0.125)
+        expected = reference(q, k, v, lens, causal, window, mask, 0.125)
+        assert float((out.double() - expected).abs().max()) <= tolerance(dtype, expected), (dtype, causal, window)
+print("ok", torch.backends.cpu.get_cpu_capability())
+"""
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["ok", "AVX2"]
+
+
+@needs_kernel
+def test_minilm_with_cpu_flash_varlen_matches_sentence_transformers(minilm_path: Path) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    texts = varied_texts(40, seed=5) + ["x", " ".join(["word"] * 240)]
+    ref = SentenceTransformer(str(minilm_path), device="cpu").encode(texts, batch_size=16, convert_to_numpy=True)
+    with Engine.from_workflow(None, minilm_path, dtype="float32", device="cpu",
+                              attention={"name": "cpu_flash_varlen"}) as engine:
+        assert isinstance(engine.components["attention"], CpuFlashVarlenBackend)
+        got = engine.embed(texts)
+    diff = float(np.abs(got - ref).max())
+    assert diff <= 1e-4, f"max abs diff {diff:.2e}"

@@ -1,0 +1,133 @@
+"""`cpu_flash_varlen`: the whole packed CPU batch in one call of a C++ flash-attention kernel.
+
+The kernel (`kernels/cpu_flash_attention.cpp`, installed as `wde/kernels/`) reads q/k/v straight from the packed
+[tokens, heads, head_dim] tensors (any token / head strides), splits the work into (sequence, 32-query block, head)
+tasks over torch's intra-op threads, and walks each block's reachable keys in tiles of 64 with the online softmax:
+no padding, no gather, no per-sequence call, no [len, len] score matrix. float32 and bfloat16 (computed in float);
+causal or bidirectional, local windows (only the keys in reach are read) and key masks; a query row left with no key
+outputs zeros, as on every backend.
+
+The kernel is compiled once per host by `torch.utils.cpp_extension` (gcc, no download) into a cache folder
+(`WDE_KERNEL_CACHE`, default `~/.cache/wde/kernels`), keyed by the source, torch's version, the instruction set it
+targets and the CPU's flags: `-march=native`, or AVX2 when `ATEN_CPU_CAPABILITY` caps torch at avx2 (plain x86-64
+for `default`). Where it cannot be built (no compiler) or is switched off (`WDE_CPU_FLASH=0`), one warning line
+says so and the backend computes the same attention with `cpu_varlen`'s per-run SDPA calls; so does a float16 batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from importlib import resources
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from wde.components.attention.base import AttentionMetadata, Window
+from wde.components.attention.cpu_varlen import CpuVarlenBackend
+from wde.components.attention.torch_sdpa import covering
+from wde.components.model_input_builder import ModelInput
+
+log = logging.getLogger(__name__)
+
+SOURCE = "cpu_flash_attention.cpp"
+DTYPES = (torch.float32, torch.bfloat16)
+_ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"], "default": []}
+
+
+def isa_flags() -> list[str]:
+    """Compiler flags for the instruction set the kernel targets: the host's own, or torch's cap when one is set."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    return _ISA_FLAGS.get(cap, ["-march=native"])
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("WDE_KERNEL_CACHE") or Path.home() / ".cache" / "wde" / "kernels")
+
+
+@functools.cache
+def load_kernel() -> ModuleType | None:
+    """The compiled kernel module, built on first use and cached on disk; None (said once) where it cannot be."""
+    if os.environ.get("WDE_CPU_FLASH", "1").strip().lower() in ("0", "false", "off", "no"):
+        log.warning("cpu_flash_varlen: kernel switched off (WDE_CPU_FLASH=0); attention runs as cpu_varlen")
+        return None
+    source = resources.files("wde.kernels").joinpath(SOURCE)
+    text = source.read_bytes()
+    flags = ["-O3", *isa_flags()]
+    key = hashlib.sha256(b"\0".join([text, torch.__version__.encode(), " ".join(flags).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    name = f"wde_cpu_flash_{key}"
+    build = cache_dir() / name
+    try:
+        from torch.utils.cpp_extension import load
+
+        if shutil.which("ninja") is None:  # the ninja wheel (a dependency) when its venv's bin/ is not on PATH
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        build.mkdir(parents=True, exist_ok=True)
+        with resources.as_file(source) as path:
+            return load(name, [str(path)], extra_cflags=flags, build_directory=str(build), verbose=False)
+    except Exception as exc:  # no compiler, no headers, a failed build: the pure-torch path still serves
+        log.warning("cpu_flash_varlen: kernel not built (%s: %s); attention runs as cpu_varlen",
+                    type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        return None
+
+
+def prefer_cpu_flash() -> bool:
+    """Whether `auto` sends CPU batches (without a bias) here: wherever the kernel is built. It measured faster than
+    `torch_sdpa` and `cpu_varlen` on every shape of benchmarks/cpu_attention.py (MiniLM and BERT-base heads, short
+    and long texts, float32 and bfloat16; docs/benchmarks.md)."""
+    return load_kernel() is not None
+
+
+class CpuFlashVarlenBackend(CpuVarlenBackend):
+    name = "cpu_flash_varlen"
+    supports_window = True
+    supports_key_mask = True
+
+    def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None,
+                       window: Window | None = None) -> AttentionMetadata:
+        if bias is not None:  # supports_bias is False: models that need one refuse this backend at build time
+            raise ValueError("attention 'cpu_flash_varlen' does not support an additive attention bias; use"
+                             " attention: {name: torch_sdpa} (or auto) for this model")
+        if batch.input_ids.device.type != "cpu":
+            raise ValueError(f"attention 'cpu_flash_varlen' runs on CPU tensors, the batch is on"
+                             f" {batch.input_ids.device}; use attention: {{name: auto}}")
+        if load_kernel() is None:
+            return super().build_metadata(batch, causal, window=window)
+        meta = super(CpuVarlenBackend, self).build_metadata(batch, causal, window=window)
+        window = covering(window, batch.max_seqlen)
+        key_mask = None if batch.key_mask is None else batch.key_mask.contiguous()
+        meta.extra = ("flash", batch.cu_seqlens.to(torch.int64).contiguous(), key_mask, window or (-1, -1), batch)
+        return meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        if meta.bias is not None:
+            raise ValueError("attention 'cpu_flash_varlen' does not support an additive attention bias")
+        if not (isinstance(meta.extra, tuple) and meta.extra[0] == "flash"):
+            return super().forward(q, k, v, meta, scale)
+        _, cu, key_mask, (left, right), batch = meta.extra
+        if q.dtype not in DTYPES or not all(x.stride(-1) == 1 for x in (q, k, v)):
+            inner = meta.cached("cpu_varlen", lambda: CpuVarlenBackend.build_metadata(self, batch, meta.causal,
+                                                                                    window=meta.window))
+            return super().forward(q, k, v, inner, scale)
+        kernel = load_kernel()
+        assert kernel is not None  # metadata of this shape is only built with the kernel loaded
+        return kernel.varlen_attention(q, k, v, cu, key_mask, meta.causal, left, right, float(scale))
