@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -39,6 +41,26 @@ def _missing(arg: str) -> str | None:
     except RegistryError as e:
         return f"no such file or folder, nor a registered workflow: {e}"
     return None
+
+
+def int8_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`--quantization`, `--min-cosine` and `--calibration`: shortcuts for the model params of the same names."""
+    fn = click.option("--calibration", default=None, metavar="FILE",
+                      type=click.Path(exists=True, dir_okay=False, resolve_path=True),
+                      help="with --quantization int8: the fidelity gate's probe texts, one a line (default: a"
+                           " built-in set; model.params.calibration)")(fn)
+    fn = click.option("--min-cosine", default=None, type=click.FloatRange(0, 1, min_open=True), metavar="COSINE",
+                      help="with --quantization int8: refuse to start when the int8 model's min cosine to float32"
+                           " on the probe texts is below this (default 0.99; model.params.min_cosine)")(fn)
+    return click.option("--quantization", default=None, type=click.Choice(["none", "int8"]),
+                        help="int8: the model's block linear layers as int8 GEMMs on CPUs with VNNI, behind a"
+                             " fidelity gate at load (model.params.quantization; docs/int8.md)")(fn)
+
+
+def int8_overrides(quantization: str | None, min_cosine: float | None, calibration: str | None) -> list[str]:
+    """The int8 options as `--set` overrides of the model's params."""
+    given = {"quantization": quantization, "min_cosine": min_cosine, "calibration": calibration}
+    return [f"model.params.{k}={v}" for k, v in given.items() if v is not None]
 
 
 @click.group()
@@ -196,6 +218,7 @@ def _split_list(values: tuple[str, ...]) -> list[str]:
 @click.option("--progress/--no-progress", default=None, help="progress bar on stderr (default: when it is a terminal)")
 @click.option("--trust-remote-code", is_flag=True, default=False,
               help="allow the model folder's own Python code (auto_map); off unless you trust the model")
+@int8_options
 def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_field: str | None,
           id_field: str | None, outputs: str,
           workflow: str | None, model: str | None, overrides: tuple[str, ...], truncate: bool,
@@ -203,7 +226,8 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_fi
           skip_blank: bool,
           shard_size: int, max_line_bytes: int, resume: bool,
           overwrite: bool, workers: int, devices: str | None, ray_address: str | None, progress: bool | None,
-          trust_remote_code: bool) -> None:
+          trust_remote_code: bool, quantization: str | None, min_cosine: float | None,
+          calibration: str | None) -> None:
     """Embed a corpus into parquet (ids + vectors) or .npy, streaming, resumable, on one or many devices.
 
     Errors name the file and 1-based line. The run writes into OUTPUT.partial and renames it to OUTPUT only when
@@ -231,7 +255,9 @@ def embed(inputs: tuple[str, ...], output: str, text_field: str | None, image_fi
                        chunk=long_inputs == "chunk", max_embed_len=max_embed_len, prompt_name=prompt_name,
                        options=_options(options),
                        skip_blank=skip_blank, shard_size=shard_size, max_line_bytes=max_line_bytes,
-                       workflow=workflow, model=model, overrides=overrides, trust_remote_code=trust_remote_code)
+                       workflow=workflow, model=model,
+                       overrides=tuple(overrides) + tuple(int8_overrides(quantization, min_cosine, calibration)),
+                       trust_remote_code=trust_remote_code)
     except ValidationError as e:
         first = e.errors()[0]
         flag = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "wde embed"
@@ -368,6 +394,7 @@ def image_limit_overrides(**limits: float | None) -> list[str]:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="log level; debug also prints the traceback of a start-up failure after its one line")
+@int8_options
 def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str | None, host: str, port: int,
           grpc_port: int | None, api_key: str | None,
           served_model_names: tuple[str, ...], overrides: tuple[str, ...], lora_modules: tuple[str, ...],
@@ -379,7 +406,8 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
           allow_image_fetch: tuple[str, ...], image_fetch_timeout: float, image_fetch_max_urls: int,
           image_fetch_max_bytes: int, image_fetch_deadline: float, image_fetch_connections: int,
           max_image_pixels: int | None,
-          max_image_aspect_ratio: float | None, max_request_image_pixels: int | None, log_level: str) -> None:
+          max_image_aspect_ratio: float | None, max_request_image_pixels: int | None, log_level: str,
+          quantization: str | None, min_cosine: float | None, calibration: str | None) -> None:
     """Serve a workflow over HTTP (OpenAI, rerank and TEI-compatible routes; images too for CLIP and SigLIP), and
     TEI's gRPC API with --grpc-port.
 
@@ -396,7 +424,7 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
     try:
         every = list(overrides) + image_limit_overrides(
             max_image_pixels=max_image_pixels, max_image_aspect_ratio=max_image_aspect_ratio,
-            max_request_image_pixels=max_request_image_pixels)
+            max_request_image_pixels=max_request_image_pixels) + int8_overrides(quantization, min_cosine, calibration)
         if serve_config is not None:
             given = [o for o, v in (("--model", models), ("--workflow", workflows),
                                     ("--served-model-name", served_model_names)) if v]

@@ -120,6 +120,7 @@ class EngineLoad:
 def resolve(workflow: str | Path | None = None, model: str | Path | None = None, *,
             overrides: Iterable[str] | None = None, trust_remote_code: bool = False, dtype: str | None = None,
             device: str | None = None, registry: Registry | None = None, lora_modules: Mapping[str, str] | None = None,
+            quantization: str | None = None,
             **component_overrides: Mapping[str, Any]) -> tuple[ResolvedWorkflow, ModelSource]:
     """The workflow and model source `Engine.from_workflow` builds from (same arguments); an API server of a
     split engine resolves them too, to build the components it runs itself (tokenizer, input processor)."""
@@ -127,7 +128,8 @@ def resolve(workflow: str | Path | None = None, model: str | Path | None = None,
     registry = registry or get_registry()
     if workflow is None:
         workflow = registry.workflow_for(source.architectures, source)
-    shortcuts = [(("model", "params", k), v) for k, v in (("dtype", dtype), ("device", device)) if v is not None]
+    shortcuts = [(("model", "params", k), v) for k, v in (("dtype", dtype), ("device", device),
+                                                         ("quantization", quantization)) if v is not None]
     if lora_modules:
         shortcuts.append((("model", "params", "lora", "modules"), {k: str(v) for k, v in lora_modules.items()}))
     resolved = load_workflow(workflow, overrides_to_paths(overrides) + overrides_to_paths(component_overrides) + shortcuts,
@@ -288,6 +290,7 @@ class Engine:
         device: str | None = None,
         registry: Registry | None = None,
         lora_modules: Mapping[str, str | Path] | None = None,
+        quantization: str | None = None,
         **component_overrides: Mapping[str, Any],
     ) -> "Engine":
         """Build an engine from a workflow file or registered name.
@@ -301,11 +304,13 @@ class Engine:
             installing it: ``Registry.from_plugin_manager(pm)``); the architecture check applies as usual.
         :param lora_modules: LoRA adapters by name → PEFT folder, a shortcut for ``model.params.lora.modules``;
             a request picks one with ``PoolingParams(options={"adapter": NAME})`` (docs/adapters.md).
+        :param quantization: a shortcut for ``model.params.quantization`` ("int8": docs/int8.md).
         :param component_overrides: per-kind dicts merged into the workflow, e.g.
             ``scheduler={"params": {"max_num_requests": 8}}`` (the model kind: use `overrides`).
         """
         return cls(*resolve(workflow, model, overrides=overrides, trust_remote_code=trust_remote_code, dtype=dtype,
-                            device=device, registry=registry, lora_modules=lora_modules, **component_overrides))
+                            device=device, registry=registry, lora_modules=lora_modules, quantization=quantization,
+                            **component_overrides))
 
     def make_request(self, inputs: Any, params: PoolingParams | None = None, request_id: str | None = None,
                      field: str | tuple[str, str] = "input") -> Request:

@@ -149,10 +149,35 @@ class PrefillModel(nn.Module, Model):
         self.lora: LoraSet | None = None
         """The model's LoRA adapters (wde/components/lora.py), when it takes any."""
         self.before_packing(ctx)
+        self.quantization = self._quantize(params, ctx) if isinstance(params, ModelParams) else "none"
+        """"none" or "int8": whether the blocks' linear layers run in int8 (wde/components/models/int8_linear.py)."""
         self.linear_backend = resolve_cpu_linear(params.cpu_linear, self.device, self.linear_dtype)
         """"torch" or "onednn": the path this model's linear layers take."""
         if self.linear_backend == "onednn":
             pack_linears(self, ctx.scheduler.token_budget)
+
+    def _quantize(self, params: ModelParams, ctx: BuildContext) -> str:
+        """Quantize the blocks' linear layers to int8 behind the fidelity gate (`quantization: int8`), or refuse by
+        name what int8 does not cover; the float layers left are packed as usual afterwards."""
+        if params.quantization == "none":
+            return "none"
+        from wde.components.models.int8_gate import run_gate
+        from wde.components.models.int8_linear import block_linears, int8_unsupported
+
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ModelLoadError(f"quantization=int8 runs on CPU from a float32 model; this one is {self.dtype} on"
+                                 f" {self.device} (set model.params.dtype: float32 and device: cpu)")
+        if self.lora is not None:
+            raise ModelLoadError("quantization=int8 does not combine with LoRA adapters (model.params.lora);"
+                                 " use one or the other")
+        unsupported = int8_unsupported()
+        if unsupported is not None:
+            raise ModelLoadError(f"quantization=int8: {unsupported}; use quantization: none")
+        if not block_linears(self):
+            raise ModelLoadError(f"quantization=int8: model {self.name!r} has no linear layers in repeated blocks")
+        run_gate(self, ctx.tokenizer, ctx.source.path, ctx.scheduler.token_budget, params.min_cosine,
+                 params.min_mean_cosine, params.calibration, pools=self.pools)
+        return "int8"
 
     def before_packing(self, ctx: BuildContext) -> None:
         """Runs once the checkpoint is loaded (and, in mixed precision, the linear layers cast), before the CPU

@@ -1,0 +1,212 @@
+"""quantization: int8 on CPU (wde/components/models/int8_linear.py, int8_gate.py): fidelity against float32 on
+varied texts (MiniLM's real weights, tiny random XLM-R and ModernBERT, a cross-encoder), the fidelity gate's refusal
+of a model with corrupted scales, its cache, the refusals (LoRA, non-float32, a CPU capped to AVX2), the CLI flags,
+and CPU streams. Every test but the AVX2-cap one needs a CPU whose int8 kernels PyTorch/oneDNN report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.tiny_heads import build_minilm_classifier
+from tests.tiny_models import build_xlmr, varied_texts
+from wde import Engine
+from wde.components.models import int8_linear
+from wde.components.models.int8_linear import Int8Linear, int8_unsupported
+from wde.errors import ModelLoadError
+
+needs_vnni = pytest.mark.skipif(int8_unsupported() is not None, reason=f"no int8 kernels: {int8_unsupported()}")
+TEXTS = varied_texts(200)
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WDE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def int8_layers(engine: Engine) -> int:
+    return sum(isinstance(m, Int8Linear) for m in engine.components["model"].modules())
+
+
+def fidelity(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    a, b = a / np.linalg.norm(a, axis=1, keepdims=True), b / np.linalg.norm(b, axis=1, keepdims=True)
+    cos = (a * b).sum(1)
+    return float(cos.min()), float(cos.mean())
+
+
+def top10_overlap(a: np.ndarray, b: np.ndarray, queries: int = 40) -> float:
+    """Mean overlap of the top-10 neighbours (cosine) of the first `queries` rows among the rest, a vs b."""
+    def top(x: np.ndarray) -> np.ndarray:
+        x = x / np.linalg.norm(x, axis=1, keepdims=True)
+        return np.argsort(-(x[:queries] @ x[queries:].T), axis=1)[:, :10]
+    ta, tb = top(a), top(b)
+    return float(np.mean([len(set(ra) & set(rb)) / 10 for ra, rb in zip(ta, tb)]))
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+@needs_vnni
+def test_minilm_int8_against_float32(minilm_path: Path) -> None:
+    with Engine.from_workflow("bert", minilm_path) as e32:
+        ref = np.asarray(e32.embed(TEXTS))
+    with Engine.from_workflow("bert", minilm_path, quantization="int8") as e8:
+        assert int8_layers(e8) >= 12  # qkv, attention out and MLP up of 6 layers at least
+        got = np.asarray(e8.embed(TEXTS))
+    low, mean = fidelity(ref, got)
+    overlap = top10_overlap(ref, got)
+    print(f"MiniLM int8 vs fp32 on {len(TEXTS)} texts: min cosine {low:.5f}, mean {mean:.5f}, top-10 overlap"
+          f" {overlap:.3f}")
+    assert low >= 0.99 and mean >= 0.998
+    assert overlap >= 0.9
+
+
+@needs_vnni
+@pytest.mark.parametrize("family", ["xlmr", "modernbert"])
+def test_tiny_random_families(family: str, tmp_path: Path) -> None:
+    if family == "xlmr":
+        folder = build_xlmr(tmp_path / "xlmr", hidden_size=128, num_hidden_layers=3, intermediate_size=256)
+    else:
+        from tests.test_modernbert import build as build_modernbert
+
+        folder = build_modernbert(tmp_path / "modernbert")
+    mean_pool = ["pooler.params.pooling=mean"]
+    with Engine.from_workflow(model=folder, overrides=mean_pool) as e32:
+        ref = np.asarray(e32.embed(TEXTS, truncate=True))
+    with Engine.from_workflow(model=folder, quantization="int8", overrides=mean_pool) as e8:
+        assert int8_layers(e8) > 0
+        got = np.asarray(e8.embed(TEXTS, truncate=True))
+    low, mean = fidelity(ref, got)
+    print(f"{family} (tiny random) int8 vs fp32: min cosine {low:.5f}, mean {mean:.5f}, top-10 overlap"
+          f" {top10_overlap(ref, got):.3f}")
+    assert low >= 0.99 and mean >= 0.998
+
+
+@needs_vnni
+def test_cross_encoder_ranking(minilm_path: Path, tmp_path: Path) -> None:
+    """MiniLM's real encoder under a random single-logit head: the head is not trained, so this shows that int8
+    keeps the order of what the encoder feeds a head, not that a trained reranker keeps its quality."""
+    folder = build_minilm_classifier(minilm_path, tmp_path / "ce", num_labels=1)
+    queries = varied_texts(8, seed=7)
+    pairs = [(q, d) for q in queries for d in TEXTS[:25]]
+    with Engine.from_workflow(model=folder) as e32:
+        ref = np.asarray(e32.score(pairs, activation=False))
+    with Engine.from_workflow(model=folder, quantization="int8") as e8:
+        assert int8_layers(e8) > 0
+        got = np.asarray(e8.score(pairs, activation=False))
+    rho = spearman(ref, got)
+    print(f"cross-encoder (MiniLM, random head) int8 vs fp32 Spearman over {len(pairs)} pairs: {rho:.5f}")
+    assert rho >= 0.99
+
+
+@needs_vnni
+def test_gate_refuses_corrupted_scales(minilm_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(int8_linear, "SCALE_CORRUPTION", 1.5)
+    with pytest.raises(ModelLoadError, match=r"min cosine of 0\.\d+ to float32 .*below min_cosine 0.99"):
+        Engine.from_workflow("bert", minilm_path, quantization="int8")
+
+
+@needs_vnni
+def test_gate_result_is_cached(minilm_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="wde.models")
+    texts = varied_texts(30, seed=3)
+    with Engine.from_workflow("bert", minilm_path, quantization="int8") as first:
+        a = np.asarray(first.embed(texts))
+    assert "measured on 34 texts" in caplog.text
+    cache = json.loads((tmp_path / "cache" / "cpu_kernels.json").read_text())
+    (entry,) = [v for k, v in cache.items() if "int8-gate" in k]
+    assert entry["min_cosine"] >= 0.99 and entry["float_kinds"] == ["encoder.layer.*.output.dense"]
+    caplog.clear()
+    with Engine.from_workflow("bert", minilm_path, quantization="int8") as second:
+        b = np.asarray(second.embed(texts))
+    assert "(cached," in caplog.text and "measured" not in caplog.text
+    np.testing.assert_array_equal(a, b)  # the same layers in int8 from the same scales
+
+
+@needs_vnni
+def test_calibration_file_and_min_cosine(minilm_path: Path, tmp_path: Path) -> None:
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(varied_texts(20, seed=9)) + "\n\n")
+    with pytest.raises(ModelLoadError, match="min cosine .*measured on 20 texts.*below min_cosine 1.0"):
+        Engine.from_workflow("bert", minilm_path, quantization="int8",
+                             overrides=[f"model.params.calibration={calib}", "model.params.min_cosine=1.0"])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    with pytest.raises(ModelLoadError, match="holds no text"):
+        Engine.from_workflow("bert", minilm_path, quantization="int8",
+                             overrides=[f"model.params.calibration={empty}"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.params.dtype=bfloat16", "runs on CPU from a float32 model"),
+    ("model.params.lora.enable=true", "does not combine with LoRA"),
+])
+@needs_vnni
+def test_refusals(minilm_path: Path, override: str, message: str) -> None:
+    with pytest.raises(ModelLoadError, match=message):
+        Engine.from_workflow("bert", minilm_path, quantization="int8", overrides=[override])
+
+
+def test_unknown_quantization_is_refused(minilm_path: Path) -> None:
+    with pytest.raises(Exception, match="quantization"):
+        Engine.from_workflow("bert", minilm_path, quantization="int4")
+
+
+def test_avx2_cap_refuses_in_one_line(minilm_path: Path, tmp_path: Path) -> None:
+    """Under the AVX2 cap PyTorch and oneDNN report no int8 dot products: `wde embed --quantization int8` exits 1
+    with one line saying so, and the float32 path still runs."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "WDE_CACHE_DIR": str(tmp_path)}
+    src = tmp_path / "in.txt"
+    src.write_text("hello\nworld\n")
+    cmd = [sys.executable, "-c", "from wde.cli import main; main()", "embed", "--input", str(src),
+           "--output", str(tmp_path / "out.npy"), "-m", str(minilm_path)]
+    run = subprocess.run(cmd + ["--quantization", "int8"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr
+    lines = [ln for ln in run.stderr.splitlines() if ln.startswith("Error")]
+    assert len(lines) == 1 and "no int8 dot-product instructions" in lines[0] and "AVX2" in lines[0], run.stderr
+    ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+
+
+@needs_vnni
+def test_cli_embed_flags(minilm_path: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from wde.cli import main
+
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(TEXTS[:40]) + "\n")
+    runner = CliRunner()
+    base = ["embed", "--input", str(src), "-m", str(minilm_path)]
+    res = runner.invoke(main, base + ["--output", str(tmp_path / "f.npy")])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(main, base + ["--output", str(tmp_path / "q.npy"), "--quantization", "int8"])
+    assert res.exit_code == 0, res.output
+    low, mean = fidelity(np.load(tmp_path / "f.npy"), np.load(tmp_path / "q.npy"))
+    assert low >= 0.99 and mean >= 0.998
+    assert low < 1.0  # int8 did run
+    res = runner.invoke(main, base + ["--output", str(tmp_path / "r.npy"), "--quantization", "int8", "--min-cosine", "1",
+                                      "--calibration", str(src)])
+    assert res.exit_code == 1
+    assert "below min_cosine 1.0" in res.output and "measured on 40 texts" in res.output
+
+
+@needs_vnni
+def test_cpu_streams_and_packed_batches(minilm_path: Path) -> None:
+    """The same int8 vectors whether a batch runs whole or split into CPU streams."""
+    with Engine.from_workflow("bert", minilm_path, quantization="int8",
+                              overrides=["runner.params.cpu_streams=1"]) as one:
+        a = np.asarray(one.embed(TEXTS))
+    with Engine.from_workflow("bert", minilm_path, quantization="int8",
+                              overrides=["runner.params.cpu_streams=2", "runner.params.cpu_stream_min_tokens=16"]) as two:
+        b = np.asarray(two.embed(TEXTS))
+    np.testing.assert_allclose(a, b, atol=1e-5)

@@ -1,0 +1,170 @@
+"""int8 linear layers for CPU models (`model.params.quantization: int8`).
+
+Weights are quantized once at load, symmetric, one scale per output channel; activations per token, dynamically
+(symmetric: each token's largest magnitude maps to 127). The GEMM is oneDNN's x86 int8 kernel as inductor's x86
+quantizer calls it (`torch.ops.onednn.qlinear_pointwise`, u8 x s8 on VNNI): a token's int8 values are shifted to
+u8 with zero point 128 (oneDNN's s8-activation path ran at 0.1 GOP/s, a reference kernel), the kernel applies the
+weight scales, and the output is scaled per token and the bias added in float32. Measured against the other
+candidates in benchmarks/int8_gemm.py (docs/int8.md): per-token `qlinear_pointwise` 2.5-2.7x the float32 oneDNN
+linear, `torch._int_mm` 1.9-2.6x, the per-tensor dynamic `quantized.linear_dynamic` 2.8-2.9x at twice the error.
+
+Only the linear layers inside a model's repeated blocks (its `nn.ModuleList`s: attention projections and MLPs) are
+quantized; embeddings, norms, attention itself, the pooler and any head stay float32 (`quantize_linears`).
+
+Which CPUs: those whose int8 dot products oneDNN can use, AVX-512 VNNI or AVX-VNNI, as PyTorch detected them
+(`cpu_capabilities`, which honours `ATEN_CPU_CAPABILITY`) and under oneDNN's own cap (`ONEDNN_MAX_CPU_ISA`), never
+/proc/cpuinfo; elsewhere int8 is refused in one line (`int8_unsupported`), and a probe GEMM must match its float
+result before a model is quantized.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from wde.components.models.cpu_linear import cpu_capabilities
+
+SCALE_CORRUPTION = 1.0
+"""Test hook: every weight scale is multiplied by this (1.0: none); a test sets it to prove the fidelity gate
+refuses a model whose int8 vectors are wrong (tests/test_int8.py)."""
+
+_CAPPED_BELOW_VNNI = {"SSE41", "AVX", "AVX2", "DEFAULT_NO_VNNI"}
+"""`ONEDNN_MAX_CPU_ISA` values under which oneDNN has no int8 dot-product instructions."""
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: (int8 weight, float32 scale per row)."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+@functools.cache
+def int8_unsupported() -> str | None:
+    """None when this CPU runs oneDNN's int8 GEMM with VNNI, else why not (one clause, for a one-line error)."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        return "this PyTorch build has no oneDNN int8 kernels"
+    caps = cpu_capabilities()
+    isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if not (caps.get("avx512_vnni") or caps.get("avx_vnni") or caps.get("amx_int8")) or isa_cap in _CAPPED_BELOW_VNNI:
+        capability = torch.backends.cpu.get_cpu_capability()
+        return (f"PyTorch/oneDNN report no int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX) on this"
+                f" CPU (PyTorch kernels: {capability}{f', ONEDNN_MAX_CPU_ISA={isa_cap}' if isa_cap else ''})")
+    g = torch.Generator().manual_seed(0)
+    linear = nn.Linear(64, 32)
+    x = torch.randn(8, 64, generator=g)
+    try:
+        got = Int8Linear(linear, rows=8)(x)
+    except RuntimeError as e:
+        return f"oneDNN's int8 linear failed on this CPU ({str(e).strip().splitlines()[0] if str(e).strip() else e})"
+    want = linear(x).detach()
+    if not torch.allclose(got, want, atol=0.05 * float(want.abs().max()), rtol=0):
+        return f"oneDNN's int8 linear gave wrong results on this CPU (max abs diff {(got - want).abs().max():.3g})"
+    return None
+
+
+class Int8Linear(nn.Module):
+    """`nn.Linear`'s function with an int8 weight (per output channel) prepacked for oneDNN, activations quantized
+    per token at each call; input of any float dtype, output float32. Inference only."""
+
+    def __init__(self, linear: nn.Linear, rows: int, smooth: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        self.smooth = None if smooth is None else (1 / smooth).float()
+        if smooth is not None:
+            weight = weight * smooth
+        qweight, scale = quantize_weight(weight)
+        self.w_scale = scale * SCALE_CORRUPTION
+        self.w_zero = torch.zeros(self.out_features, dtype=torch.int64)
+        self.packed = torch.ops.onednn.qlinear_prepack(qweight, [rows, self.in_features])
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features).float()
+        if self.smooth is not None:
+            x = x * self.smooth
+        scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127)
+        qx = torch.round(x / scale).add_(128).to(torch.uint8)  # |x/scale| <= 127: u8 with zero point 128
+        y = torch.ops.onednn.qlinear_pointwise(qx, 1.0, 128, self.packed, self.w_scale, self.w_zero, None, 1.0, 0,
+                                               torch.float32, "none", [], "")
+        y = y.mul_(scale)
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 onednn"
+
+
+SMOOTHING_ALPHA = 0.5
+"""SmoothQuant's migration strength: input channel j of a linear layer is divided by
+`max|x_j| ** alpha / max|W_j| ** (1 - alpha)` and its weight column multiplied by it, so the outlier channels of
+normed activations stop setting every token's scale (all-MiniLM-L6-v2, 300 texts: min cosine 0.980 -> 0.993)."""
+
+
+def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The `nn.Linear` layers inside `model`'s `nn.ModuleList`s (its repeated blocks), by qualified name."""
+    found: dict[str, nn.Linear] = {}
+    for prefix, blocks in model.named_modules():
+        if isinstance(blocks, nn.ModuleList):
+            for name, module in blocks.named_modules():
+                if type(module) is nn.Linear:
+                    found[f"{prefix}.{name}" if prefix else name] = module
+    return found
+
+
+def kind_of(name: str) -> str:
+    """A linear layer's name with its block index replaced by `*` (`encoder.layer.*.output.dense`): its kind."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+@contextlib.contextmanager
+def input_maxima(linears: dict[str, nn.Linear]) -> Iterator[dict[str, torch.Tensor]]:
+    """Collects each layer's largest input magnitude per input channel over the forwards run inside."""
+    maxima: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):  # noqa: ANN202
+        def record(module: nn.Module, args: tuple, output: object) -> None:
+            seen = args[0].detach().float().abs().reshape(-1, module.in_features).amax(0)
+            maxima[name] = torch.maximum(maxima[name], seen) if name in maxima else seen
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    try:
+        yield maxima
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def smoothing(linear: nn.Linear, maxima: torch.Tensor | None) -> torch.Tensor | None:
+    if maxima is None:
+        return None
+    w = linear.weight.detach().float().abs().amax(0).clamp_min(1e-5)
+    return (maxima.clamp_min(1e-5) ** SMOOTHING_ALPHA / w ** (1 - SMOOTHING_ALPHA)).clamp_min(1e-5)
+
+
+def set_linears(model: nn.Module, linears: dict[str, nn.Module]) -> None:
+    """Put each module of `linears` at its qualified name in `model`."""
+    for name, module in linears.items():
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+def quantize_linears(model: nn.Module, originals: dict[str, nn.Linear], rows: int,
+                     maxima: dict[str, torch.Tensor], keep_float: frozenset[str] = frozenset()) -> int:
+    """Put an `Int8Linear` of each of `originals` (smoothed by its input `maxima`) in `model`, except for the kinds
+    in `keep_float`, which get their float layer back; returns how many are int8."""
+    chosen: dict[str, nn.Module] = {
+        n: m if kind_of(n) in keep_float else Int8Linear(m, rows, smoothing(m, maxima.get(n)))
+        for n, m in originals.items()}
+    set_linears(model, chosen)
+    return sum(isinstance(m, Int8Linear) for m in chosen.values())
