@@ -358,3 +358,107 @@ def test_split_server_of_two_models_from_a_serve_config(minilm_path: Path, reran
     finally:
         stop_server(proc)
     assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+# --- three models in one server: an embedder, a reranker and a classifier ----------------------------------------
+
+CLASS_LABELS = {0: "neg", 1: "neu", 2: "pos"}
+
+
+@pytest.fixture(scope="module")
+def classifier_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random XLM-R sequence classifier with three named labels (tests/tiny_heads.py)."""
+    from tests import tiny_heads
+
+    return tiny_heads.build_xlmr_classifier(tmp_path_factory.mktemp("tiny-classifier"), num_labels=3,
+                                            id2label=CLASS_LABELS, label2id={v: k for k, v in CLASS_LABELS.items()})
+
+
+@pytest.fixture(scope="module")
+def class_probs(classifier_path: Path) -> np.ndarray:
+    """transformers' softmax over the classifier's logits for TEXTS: the reference for every classify route."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(classifier_path)
+    model = AutoModelForSequenceClassification.from_pretrained(classifier_path).eval()
+    with torch.inference_mode():
+        logits = model(**tok(TEXTS, padding=True, return_tensors="pt")).logits
+    return torch.softmax(logits, -1).numpy()
+
+
+@pytest.fixture(scope="module")
+def three(minilm_path: Path, reranker_path: Path, classifier_path: Path) -> Iterator[str]:
+    """MiniLM (`embedder`), the tiny reranker (`reranker`) and the tiny classifier (`classifier`) in one process."""
+    models = (ModelConfig(str(minilm_path), "bert", "embedder"), ModelConfig(str(reranker_path), None, "reranker"),
+              ModelConfig(str(classifier_path), None, "classifier"))
+    with Engine.from_workflow("bert", minilm_path) as embedder, Engine.from_workflow(None, reranker_path) as ranker, \
+            Engine.from_workflow(None, classifier_path) as classifier, \
+            serve([embedder, ranker, classifier], models=models) as (url, _):  # type: ignore[arg-type]
+        yield url
+
+
+def test_three_models_each_route_answers_for_its_model(three: str, expected: dict[str, np.ndarray],
+                                                       class_probs: np.ndarray) -> None:
+    url = three
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["embedder", "reranker", "classifier"]
+    assert [m["model_id"] for m in httpx.get(f"{url}/info").json()["models"]] == ["embedder", "reranker",
+                                                                                   "classifier"]
+
+    def ok(response: httpx.Response) -> object:
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    # embeddings: OpenAI's route by the body's model, TEI's by ?model=
+    answer = ok(httpx.post(f"{url}/v1/embeddings", json={"model": "embedder", "input": TEXTS}))
+    assert answer["model"] == "embedder"  # type: ignore[index]
+    vectors = np.array([d["embedding"] for d in answer["data"]])  # type: ignore[index]
+    assert np.abs(vectors - expected["vectors"]).max() <= TOL
+    tei = np.array(ok(httpx.post(f"{url}/embed?model=embedder", json={"inputs": TEXTS})))
+    assert np.abs(tei - expected["vectors"]).max() <= TOL
+
+    # reranking and scoring: Cohere/Jina's /v1/rerank, TEI's /rerank, vLLM's /v1/score
+    ranked = ok(httpx.post(f"{url}/v1/rerank", json={"model": "reranker", "query": QUERY, "documents": DOCS}))
+    assert ranked["model"] == "reranker"  # type: ignore[index]
+    assert np.abs(_rerank_scores(ranked) - expected["scores"]).max() <= TOL  # type: ignore[arg-type]
+    tei_ranked = ok(httpx.post(f"{url}/rerank?model=reranker", json={"query": QUERY, "texts": DOCS}))
+    tei_scores = np.array([r["score"] for r in sorted(tei_ranked, key=lambda r: r["index"])])  # type: ignore
+    assert np.abs(tei_scores - expected["scores"]).max() <= TOL
+    scored = ok(httpx.post(f"{url}/v1/score", json={"model": "reranker", "text_1": QUERY, "text_2": DOCS}))
+    assert scored["model"] == "reranker"  # type: ignore[index]
+    assert np.abs(np.array([d["score"] for d in scored["data"]]) - expected["scores"]).max() <= TOL  # type: ignore
+
+    # classifying: vLLM's /classify, Infinity's /classify (raw_scores), TEI's /predict
+    classified = ok(httpx.post(f"{url}/classify", json={"model": "classifier", "input": TEXTS}))
+    assert classified["model"] == "classifier"  # type: ignore[index]
+    probs = np.array([d["probs"] for d in classified["data"]])  # type: ignore[index]
+    assert np.abs(probs - class_probs).max() <= TOL
+    best = [CLASS_LABELS[int(i)] for i in class_probs.argmax(1)]
+    assert [d["label"] for d in classified["data"]] == best  # type: ignore[index]
+    infinity = ok(httpx.post(f"{url}/v1/classify", json={"model": "classifier", "input": TEXTS, "raw_scores": False}))
+    for row, labelled in zip(class_probs, infinity["data"]):  # type: ignore[index]
+        assert max(abs(row[[*CLASS_LABELS.values()].index(p["label"])] - p["score"]) for p in labelled) <= TOL
+    predicted = ok(httpx.post(f"{url}/predict?model=classifier", json={"inputs": [[t] for t in TEXTS]}))
+    for row, labelled in zip(class_probs, predicted):  # type: ignore[arg-type]
+        assert labelled[0]["label"] == CLASS_LABELS[int(row.argmax())]
+        assert max(abs(row[[*CLASS_LABELS.values()].index(p["label"])] - p["score"]) for p in labelled) <= TOL
+
+
+@pytest.mark.parametrize("path, body, model", [
+    ("/v1/embeddings", {"model": "classifier", "input": TEXTS}, "classifier"),
+    ("/v1/embeddings", {"model": "reranker", "input": TEXTS}, "reranker"),
+    ("/embed?model=classifier", {"inputs": TEXTS}, "classifier"),
+    ("/v1/rerank", {"model": "classifier", "query": QUERY, "documents": DOCS}, "classifier"),
+    ("/rerank?model=classifier", {"query": QUERY, "texts": DOCS}, "classifier"),
+    ("/v1/score", {"model": "classifier", "text_1": QUERY, "text_2": DOCS}, "classifier"),
+    ("/classify", {"model": "embedder", "input": TEXTS}, "embedder"),
+    ("/classify", {"model": "reranker", "input": TEXTS}, "reranker"),
+    ("/predict?model=embedder", {"inputs": TEXTS}, "embedder"),
+])
+def test_three_models_a_route_a_model_cannot_serve_is_its_own_424(three: str, path: str, body: dict,
+                                                                   model: str) -> None:
+    """The refusal a one-model server gives (424, what the route needs and what the model produces), naming the
+    model the request named — never another model's answer."""
+    got = httpx.post(f"{three}{path}", json=body)
+    assert got.status_code == 424, (path, got.text)
+    assert f"but model '{model}' (workflow " in got.text, got.text

@@ -265,17 +265,18 @@ class Service:
             if output == "dense" and "sparse" in self.supported:  # a sparse-only model (SPLADE)
                 hint = ("; this model gives sparse embeddings only: POST /embed_sparse (TEI: [{index, value}] per"
                         " input) or /pooling (OpenAI-style list with {token_id: weight})")
-            raise ApiError("unsupported", f"{route} needs {_NEEDS.get(output, repr(output))}, but workflow"
-                           f" {self.info.workflow!r} produces {list(self.produces)}{hint}")
+            raise ApiError("unsupported", f"{route} needs {_NEEDS.get(output, repr(output))}, but model"
+                           f" {self.model_name!r} (workflow {self.info.workflow!r}) produces {list(self.produces)}"
+                           f"{hint}")
 
     def scorer(self, route: str) -> Scorer:
         """The workflow's scorer (`EngineInfo.scorer`), or the 424 naming `route` where it scores nothing."""
         scorer = self.info.scorer
         if scorer.output is None:
             raise ApiError("unsupported", f"{route} needs a model that scores: a cross-encoder reranker (output"
-                           " 'score'), an embedder or a multi-vector model, but workflow"
-                           f" {self.info.workflow!r} produces {list(self.produces)} and its scorer is"
-                           f" {scorer.scoring!r}")
+                           " 'score'), an embedder or a multi-vector model, but model"
+                           f" {self.model_name!r} (workflow {self.info.workflow!r}) produces {list(self.produces)}"
+                           f" and its scorer is {scorer.scoring!r}")
         return scorer
 
     async def score(self, request: Request, pairs: Sequence[tuple[Any, Any]], params: PoolingParams, field: str,
