@@ -117,7 +117,7 @@ def test_a_query_whose_only_causal_key_is_masked_outputs_zeros() -> None:
 
 
 @needs_kernel
-def test_float16_and_non_contiguous_head_dim_fall_back_to_cpu_varlen() -> None:
+def test_float16_a_wide_or_strided_head_dim_fall_back_to_cpu_varlen() -> None:
     lens = [3, 17, 40]
     backend = bare_backend(CpuFlashVarlenBackend)
     meta = backend.build_metadata(packed_batch(lens), False, window=(4, 4))
@@ -127,6 +127,9 @@ def test_float16_and_non_contiguous_head_dim_fall_back_to_cpu_varlen() -> None:
     assert half.dtype == torch.float16 and float((half.double() - expected).abs().max()) <= 5e-3
     strided = backend.forward(*(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)), meta, 0.25)
     torch.testing.assert_close(strided, expected.float(), atol=1e-5, rtol=1e-5)
+    wide = torch.randn(3, 60, 2, 272).unbind(0)  # head_dim above the kernel's 256
+    torch.testing.assert_close(backend.forward(*wide, meta, 0.05), reference(*wide, lens, False, (4, 4), None,
+                                                                             0.05).float(), atol=1e-5, rtol=1e-5)
 
 
 def test_a_bias_and_a_cuda_batch_are_refused_by_name() -> None:

@@ -11,7 +11,8 @@ The kernel is compiled once per host by `torch.utils.cpp_extension` (gcc, no dow
 (`WDE_KERNEL_CACHE`, default `~/.cache/wde/kernels`), keyed by the source, torch's version, the instruction set it
 targets and the CPU's flags: `-march=native`, or AVX2 when `ATEN_CPU_CAPABILITY` caps torch at avx2 (plain x86-64
 for `default`). Where it cannot be built (no compiler) or is switched off (`WDE_CPU_FLASH=0`), one warning line
-says so and the backend computes the same attention with `cpu_varlen`'s per-run SDPA calls; so does a float16 batch.
+says so and the backend computes the same attention with `cpu_varlen`'s per-run SDPA calls; so does a float16 batch
+(or a head_dim above 256, or q/k/v whose head_dim is strided).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = "cpu_flash_attention.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
+MAX_HEAD_DIM = 256  # the kernel's MAX_D
 _ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"], "default": []}
 
 
@@ -124,7 +126,7 @@ class CpuFlashVarlenBackend(CpuVarlenBackend):
         if not (isinstance(meta.extra, tuple) and meta.extra[0] == "flash"):
             return super().forward(q, k, v, meta, scale)
         _, cu, key_mask, (left, right), batch = meta.extra
-        if q.dtype not in DTYPES or not all(x.stride(-1) == 1 for x in (q, k, v)):
+        if q.dtype not in DTYPES or q.shape[-1] > MAX_HEAD_DIM or not all(x.stride(-1) == 1 for x in (q, k, v)):
             inner = meta.cached("cpu_varlen", lambda: CpuVarlenBackend.build_metadata(self, batch, meta.causal,
                                                                                     window=meta.window))
             return super().forward(q, k, v, inner, scale)
