@@ -60,3 +60,22 @@ def test_multi_vector_runs_and_agrees() -> None:
     assert [side for side, _ in agreements] == ["documents", "queries"], out.stdout
     assert all(float(diff) <= 1e-4 for _, diff in agreements), out.stdout
     assert len(re.findall(r"\| ratio \S+x \(best of 1\)$", out.stdout, re.M)) == 2, out.stdout
+
+
+def test_multi_model_load_runs_both_sides_and_they_agree() -> None:
+    """`benchmarks/multi_model_load.py` (issue 36: three models in one server against one server per model) on a
+    tiny load: each model's answers agree across the two sides before timing, every round's line for each side, the
+    side-by-side medians with a ratio per model and for all."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multi_model_load.py"), "--models",
+                          "embedder,reranker,classifier", "--clients", "3", "--requests", "12", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    text = out.stdout
+    agreements = re.findall(r"^(\w+): combined vs separate, max abs diff (\S+)$", text, re.M)
+    assert [name for name, _ in agreements] == ["embedder", "reranker", "classifier"], text
+    assert all(float(diff) <= 1e-4 for _, diff in agreements), text
+    for side in ("combined", "separate"):
+        assert re.search(rf"^round 1 +{side}: embedder .* classifier .* failures 0$", text, re.M), text
+    rows = re.findall(r"^ *(\w+) +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +([\d.]+)x$", text, re.M)
+    assert [name for name, _ in rows] == ["embedder", "reranker", "classifier"], text
+    assert re.search(r"^ +all +[\d.]+ +[\d.]+ +[\d.]+x$", text, re.M), text
