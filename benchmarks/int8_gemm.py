@@ -15,6 +15,10 @@ Each candidate computes `x @ W.T + b` for a float32 `x` of ROWS tokens, quantiza
 The rates are GOP/s (2*rows*in*out per call), the median of REPEATS alternated rounds, one thread (a CPU stream's
 share). The host is shared with other work: read ratios, not absolutes. Run:
     python benchmarks/int8_gemm.py [--rows 1024] [--threads 1] [--repeats 7]
+
+`--end-to-end MODEL` instead embeds `--texts` generated texts with WDE engines in float32, bfloat16 (mixed
+precision, as the CPU default for bf16 runs) and int8 in one process, rounds alternated, and prints each one's
+median tokens/s and the int8 vectors' min / mean cosine to float32.
 """
 
 from __future__ import annotations
@@ -85,6 +89,42 @@ def candidates(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, o
     return fns
 
 
+def end_to_end(model: str, n_texts: int, repeats: int) -> None:
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.tiny_models import varied_texts
+    from wde import Engine
+
+    texts = varied_texts(n_texts, seed=11)
+    engines = {"fp32": Engine.from_workflow(model=model),
+               "bf16": Engine.from_workflow(model=model, dtype="bfloat16"),
+               "int8": Engine.from_workflow(model=model, quantization="int8")}
+    tokenizer = engines["fp32"].components["tokenizer"]
+    tokens = sum(len(ids) for ids, _ in tokenizer.encode([__import__("wde.request").request.TextPrompt(t)
+                                                           for t in texts], max_length=512))
+    vectors = {n: np.asarray(e.embed(texts, truncate=True)) for n, e in engines.items()}  # warm-up, and fidelity
+    rates: dict[str, list[float]] = {n: [] for n in engines}
+    for _ in range(repeats):
+        for n, e in engines.items():
+            t = time.perf_counter()
+            e.embed(texts, truncate=True)
+            rates[n].append(tokens / (time.perf_counter() - t))
+    ref = vectors["fp32"] / np.linalg.norm(vectors["fp32"], axis=1, keepdims=True)
+    print(f"{model}: {n_texts} texts, {tokens} tokens, {torch.get_num_threads()} threads, median of {repeats}")
+    for n in engines:
+        v = vectors[n] / np.linalg.norm(vectors[n], axis=1, keepdims=True)
+        cos = (v * ref).sum(1)
+        med = statistics.median(rates[n])
+        print(f"  {n}: {med:8.0f} tokens/s ({med / statistics.median(rates['fp32']):.2f}x fp32), min / mean cosine"
+              f" to fp32 {cos.min():.5f} / {cos.mean():.5f}")
+    for e in engines.values():
+        e.close()
+
+
 def main() -> None:
     warnings.filterwarnings("ignore", message=".*quantize_per_")
     ap = argparse.ArgumentParser()
@@ -92,7 +132,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--calls", type=int, default=5, help="calls per timed sample")
+    ap.add_argument("--end-to-end", metavar="MODEL", default=None, help="a model folder: time WDE engines instead")
+    ap.add_argument("--texts", type=int, default=1000)
     args = ap.parse_args()
+    if args.end_to_end:
+        return end_to_end(args.end_to_end, args.texts, args.repeats)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, threads {args.threads},"
           f" rows {args.rows}; GOP/s median of {args.repeats} (max abs err vs fp32 / fp32 output max abs)")

@@ -24,6 +24,9 @@ from wde.errors import ModelLoadError
 
 needs_vnni = pytest.mark.skipif(int8_unsupported() is not None, reason=f"no int8 kernels: {int8_unsupported()}")
 TEXTS = varied_texts(200)
+INIT_RANGE = 0.1
+"""Random weights 5x the default scale, so the tiny models' blocks move the residual stream (at 0.02 they barely do,
+and any int8 error hides)."""
 
 
 @pytest.fixture(autouse=True)
@@ -74,11 +77,12 @@ def test_minilm_int8_against_float32(minilm_path: Path) -> None:
 @pytest.mark.parametrize("family", ["xlmr", "modernbert"])
 def test_tiny_random_families(family: str, tmp_path: Path) -> None:
     if family == "xlmr":
-        folder = build_xlmr(tmp_path / "xlmr", hidden_size=128, num_hidden_layers=3, intermediate_size=256)
+        folder = build_xlmr(tmp_path / "xlmr", hidden_size=128, num_hidden_layers=3, intermediate_size=256,
+                            initializer_range=INIT_RANGE)
     else:
         from tests.test_modernbert import build as build_modernbert
 
-        folder = build_modernbert(tmp_path / "modernbert")
+        folder = build_modernbert(tmp_path / "modernbert", initializer_range=INIT_RANGE)
     mean_pool = ["pooler.params.pooling=mean"]
     with Engine.from_workflow(model=folder, overrides=mean_pool) as e32:
         ref = np.asarray(e32.embed(TEXTS, truncate=True))
@@ -210,3 +214,22 @@ def test_cpu_streams_and_packed_batches(minilm_path: Path) -> None:
                               overrides=["runner.params.cpu_streams=2", "runner.params.cpu_stream_min_tokens=16"]) as two:
         b = np.asarray(two.embed(TEXTS))
     np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@needs_vnni
+def test_split_server_serves_int8(minilm_path: Path, tmp_path: Path) -> None:
+    """`wde serve --api-servers 1 --quantization int8`: the engine core quantizes behind its gate, and the vectors it
+    serves are the in-process int8 engine's."""
+    import httpx
+
+    from tests.test_server import serve_split
+
+    texts = TEXTS[:16]
+    log = tmp_path / "serve.log"
+    with serve_split(minilm_path, 1, "--quantization", "int8", "--log-level", "info", log=log) as (url, _):
+        answer = httpx.post(f"{url}/v1/embeddings", json={"input": texts}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        served = np.asarray([d["embedding"] for d in answer.json()["data"]])
+    assert "int8 fidelity gate passed" in log.read_text()
+    with Engine.from_workflow("bert", minilm_path, quantization="int8") as e8:
+        np.testing.assert_allclose(served, np.asarray(e8.embed(texts)), atol=1e-5)

@@ -13,7 +13,8 @@ host, model folder, its files' sizes and times, the probe texts and the threshol
 once in float32 (the activation maxima SmoothQuant's scales come from) and take the cached figures and float layer
 kinds without measuring again (a failed gate is cached too, and refuses at once).
 
-Where all-int8 falls short, the layer kinds whose int8 hurts most are kept float32, chosen by measurement
+Where all-int8 falls short, the layer kinds whose int8 hurts most are kept float (bfloat16 where the CPU has it
+natively, else float32: `int8_linear.quantize_linears`), chosen by measurement
 (`run_gate`): on all-MiniLM-L6-v2 that is the MLP's down projection, whose GELU outputs quantize worst.
 """
 
@@ -124,7 +125,7 @@ def gate_key(model_path: Path, texts: list[str], thresholds: tuple[float, float]
         h.update(f"{f.relative_to(model_path)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     h.update("\n".join(texts).encode())
     h.update(repr(int8_linear.SCALE_CORRUPTION).encode())  # the test hook's corrupted scales are another model
-    h.update(f"{thresholds}|{int8_linear.SMOOTHING_ALPHA}".encode())  # the threshold decides which layers stay float
+    h.update(f"{thresholds}|{int8_linear.SMOOTHING_ALPHA}|{int8_linear.bf16_pays()}".encode())  # the threshold decides which layers stay float
     return f"{host_key()}|int8-gate|{Path(model_path).resolve()}|{h.hexdigest()[:16]}"
 
 
@@ -166,7 +167,7 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
             quantize_linears(model, originals, rows, maxima, keep)
             source = f"measured on {len(texts)} texts"
             _write_cache(key, {"min_cosine": low, "mean_cosine": mean, "float_kinds": sorted(keep)})
-    floats = f"; kept float: {', '.join(sorted(keep))}" if keep else ""
+    floats = f"; kept in {'bfloat16' if int8_linear.bf16_pays() else 'float32'}: {', '.join(sorted(keep))}" if keep else ""
     if low < min_cosine or mean < min_mean_cosine:
         raise ModelLoadError(f"quantization=int8: the int8 model's vectors reach a min cosine of {low:.4f} to"
                              f" float32 (mean {mean:.4f}, {source}{floats}), below min_cosine {min_cosine} (mean:"

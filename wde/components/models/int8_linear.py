@@ -9,7 +9,8 @@ candidates in benchmarks/int8_gemm.py (docs/int8.md): per-token `qlinear_pointwi
 linear, `torch._int_mm` 1.9-2.6x, the per-tensor dynamic `quantized.linear_dynamic` 2.8-2.9x at twice the error.
 
 Only the linear layers inside a model's repeated blocks (its `nn.ModuleList`s: attention projections and MLPs) are
-quantized; embeddings, norms, attention itself, the pooler and any head stay float32 (`quantize_linears`).
+quantized; embeddings, norms, attention itself, the pooler and any head stay float32 (`quantize_linears`). Layer
+kinds the fidelity gate keeps out of int8 run in bfloat16 where the CPU has it natively (`Bf16Linear`), else float32.
 
 Which CPUs: those whose int8 dot products oneDNN can use, AVX-512 VNNI or AVX-VNNI, as PyTorch detected them
 (`cpu_capabilities`, which honours `ATEN_CPU_CAPABILITY`) and under oneDNN's own cap (`ONEDNN_MAX_CPU_ISA`), never
@@ -159,12 +160,40 @@ def set_linears(model: nn.Module, linears: dict[str, nn.Module]) -> None:
         setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
+class Bf16Linear(nn.Module):
+    """A layer int8 is too coarse for, in bfloat16 through oneDNN (on CPUs with native bfloat16): float32 in and
+    out, bfloat16 weights and GEMM, float32 accumulation."""
+
+    def __init__(self, linear: nn.Linear, rows: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().bfloat16(), rows)
+        self.bias = None if linear.bias is None else linear.bias.detach().bfloat16()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.bfloat16(), self.packed, self.bias, "none", [], "").float()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bf16 onednn"
+
+
+def bf16_pays() -> bool:
+    """Whether layers kept out of int8 run in bfloat16: where oneDNN runs bfloat16 natively (as `cpu_linear: auto`
+    decides), else they stay float32."""
+    from wde.components.models.cpu_linear import resolve_cpu_linear
+
+    return resolve_cpu_linear("auto", torch.device("cpu"), torch.bfloat16) == "onednn"
+
+
 def quantize_linears(model: nn.Module, originals: dict[str, nn.Linear], rows: int,
                      maxima: dict[str, torch.Tensor], keep_float: frozenset[str] = frozenset()) -> int:
     """Put an `Int8Linear` of each of `originals` (smoothed by its input `maxima`) in `model`, except for the kinds
-    in `keep_float`, which get their float layer back; returns how many are int8."""
+    in `keep_float`, which get a `Bf16Linear` where bfloat16 is native (`bf16_pays`), else their float32 layer
+    back; returns how many are int8."""
+    bf16 = bf16_pays()
     chosen: dict[str, nn.Module] = {
-        n: m if kind_of(n) in keep_float else Int8Linear(m, rows, smoothing(m, maxima.get(n)))
+        n: (Bf16Linear(m, rows) if bf16 else m) if kind_of(n) in keep_float
+        else Int8Linear(m, rows, smoothing(m, maxima.get(n)))
         for n, m in originals.items()}
     set_linears(model, chosen)
     return sum(isinstance(m, Int8Linear) for m in chosen.values())
