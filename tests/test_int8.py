@@ -96,6 +96,23 @@ def test_tiny_random_families(family: str, tmp_path: Path) -> None:
 
 
 @needs_vnni
+def test_decoder_embedder(tmp_path: Path) -> None:
+    """A tiny random Qwen2 embedder (gte_qwen2: causal, last-token pooling) at 5x the default init scale."""
+    from tests.tiny_decoders import build_qwen2, qwen2_tokenizer
+
+    folder = build_qwen2(tmp_path / "qwen2", qwen2_tokenizer(real=False), initializer_range=INIT_RANGE)
+    with Engine.from_workflow("gte_qwen2", folder) as e32:
+        ref = np.asarray(e32.embed(TEXTS, truncate=True))
+    with Engine.from_workflow("gte_qwen2", folder, quantization="int8") as e8:
+        assert int8_layers(e8) > 0
+        got = np.asarray(e8.embed(TEXTS, truncate=True))
+    low, mean = fidelity(ref, got)
+    print(f"qwen2 (tiny random) int8 vs fp32: min cosine {low:.5f}, mean {mean:.5f}, top-10 overlap"
+          f" {top10_overlap(ref, got):.3f}")
+    assert low >= 0.99 and mean >= 0.998
+
+
+@needs_vnni
 def test_cross_encoder_ranking(minilm_path: Path, tmp_path: Path) -> None:
     """MiniLM's real encoder under a random single-logit head: the head is not trained, so this shows that int8
     keeps the order of what the encoder feeds a head, not that a trained reranker keeps its quality."""
