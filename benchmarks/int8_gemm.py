@@ -4,9 +4,10 @@ Each candidate computes `x @ W.T + b` for a float32 `x` of ROWS tokens, quantiza
 (what a model pays per linear layer), and its error against the float32 result is printed beside its rate:
 
 - fp32 / bf16: oneDNN prepacked linear (`torch.ops.mkldnn._linear_pointwise`, what `cpu_linear: onednn` runs);
-- qlinear/token: `torch.ops.onednn.qlinear_pointwise` (inductor's x86 int8 kernel) on activations quantized per
-  token (symmetric, x_scale 1, shifted to u8 with zero point 128: s8 activations took a reference path at 0.1
-  GOP/s on the Zen 5), its fp32 output scaled per row afterwards; weights s8 per output channel;
+- qlinear/token: WDE's `Int8Linear` (wde/components/models/int8_linear.py): `torch.ops.onednn.qlinear_pointwise`
+  (inductor's x86 int8 kernel) on activations quantized per token (symmetric, x_scale 1, shifted to u8 with zero
+  point 128: s8 activations took a reference path at 0.1 GOP/s on the Zen 5), its fp32 output scaled per row
+  afterwards; weights s8 per output channel;
 - qlinear/tensor: the same kernel on u8 activations quantized per tensor (asymmetric, inductor's dynamic recipe);
 - int_mm/token: `torch._int_mm` (s8 x s8 -> s32) then both scales;
 - ao dynamic: `torch.ops.quantized.linear_dynamic` (the `torch.ao.nn.quantized.dynamic.Linear` kernel), x86 engine,
@@ -30,6 +31,8 @@ import time
 import warnings
 
 import torch
+
+from wde.components.models.int8_linear import Int8Linear
 
 SHAPES = {
     "MiniLM": [(384, 1152), (384, 384), (384, 1536), (1536, 384)],
@@ -59,11 +62,12 @@ def candidates(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, o
     zero = torch.zeros(out_f, dtype=torch.int64)
     qpacked = torch.ops.onednn.qlinear_prepack(qw, [rows, in_f])
 
-    def qlinear_token():
-        qx, s = quantize_tokens(x)  # s8 activations take oneDNN's reference path here (0.1 GOP/s): u8 with zp 128
-        y = torch.ops.onednn.qlinear_pointwise((qx.to(torch.int16) + 128).to(torch.uint8), 1.0, 128, qpacked, w_scale, zero, None, 1.0, 0, torch.float32,
-                                               "none", [], "")
-        return y.mul_(s).add_(b)
+    linear = torch.nn.Linear(in_f, out_f)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+        linear.bias.copy_(b)
+    int8 = Int8Linear(linear, rows)  # what quantization: int8 runs (without SmoothQuant's scales)
+    fns["qlinear/token"] = lambda: int8(x)
 
     def qlinear_tensor():
         lo, hi = x.min().clamp(max=0), x.max().clamp(min=0)
@@ -73,7 +77,6 @@ def candidates(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, o
         return torch.ops.onednn.qlinear_pointwise(qx, scale, zp, qpacked, w_scale, zero, b, 1.0, 0, torch.float32,
                                                   "none", [], "")
 
-    fns["qlinear/token"] = qlinear_token
     fns["qlinear/tensor"] = qlinear_tensor
     qw_t = qw.t()  # _int_mm wants mat2 [in, out]: a transposed view of the row-major weight
 

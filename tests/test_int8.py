@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from tests.tiny_heads import build_minilm_classifier
 from tests.tiny_models import build_xlmr, varied_texts
@@ -215,7 +214,8 @@ def test_cli_embed_flags(minilm_path: Path, tmp_path: Path) -> None:
     low, mean = fidelity(np.load(tmp_path / "f.npy"), np.load(tmp_path / "q.npy"))
     assert low >= 0.99 and mean >= 0.998
     assert low < 1.0  # int8 did run
-    res = runner.invoke(main, base + ["--output", str(tmp_path / "r.npy"), "--quantization", "int8", "--min-cosine", "1",
+    res = runner.invoke(main, base + ["--output", str(tmp_path / "r.npy"), "--quantization", "int8",
+                                      "--min-cosine", "1",
                                       "--calibration", str(src)])
     assert res.exit_code == 1
     assert "below min_cosine 1.0" in res.output and "measured on 40 texts" in res.output
@@ -228,7 +228,8 @@ def test_cpu_streams_and_packed_batches(minilm_path: Path) -> None:
                               overrides=["runner.params.cpu_streams=1"]) as one:
         a = np.asarray(one.embed(TEXTS))
     with Engine.from_workflow("bert", minilm_path, quantization="int8",
-                              overrides=["runner.params.cpu_streams=2", "runner.params.cpu_stream_min_tokens=16"]) as two:
+                              overrides=["runner.params.cpu_streams=2",
+                                         "runner.params.cpu_stream_min_tokens=16"]) as two:
         b = np.asarray(two.embed(TEXTS))
     np.testing.assert_allclose(a, b, atol=1e-5)
 

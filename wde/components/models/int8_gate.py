@@ -114,7 +114,8 @@ def text_vectors(model: nn.Module, batch: ModelInput, pools: bool) -> torch.Tens
         out = model(batch).float()
     if pools:
         return out
-    return torch.stack([out[a:b].mean(0) for a, b in zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())])
+    bounds = batch.cu_seqlens.tolist()
+    return torch.stack([out[a:b].mean(0) for a, b in zip(bounds[:-1], bounds[1:])])
 
 
 def gate_key(model_path: Path, texts: list[str], thresholds: tuple[float, float]) -> str:
@@ -125,12 +126,14 @@ def gate_key(model_path: Path, texts: list[str], thresholds: tuple[float, float]
         h.update(f"{f.relative_to(model_path)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     h.update("\n".join(texts).encode())
     h.update(repr(int8_linear.SCALE_CORRUPTION).encode())  # the test hook's corrupted scales are another model
-    h.update(f"{thresholds}|{int8_linear.SMOOTHING_ALPHA}|{int8_linear.bf16_pays()}".encode())  # the threshold decides which layers stay float
+    # the thresholds decide which layers stay float, and bf16_pays in which dtype they do
+    h.update(f"{thresholds}|{int8_linear.SMOOTHING_ALPHA}|{int8_linear.bf16_pays()}".encode())
     return f"{host_key()}|int8-gate|{Path(model_path).resolve()}|{h.hexdigest()[:16]}"
 
 
 def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, min_cosine: float,
-             min_mean_cosine: float, calibration: str | None, pools: bool = False) -> tuple[float, float, frozenset[str]]:
+             min_mean_cosine: float, calibration: str | None,
+             pools: bool = False) -> tuple[float, float, frozenset[str]]:
     """Quantize `model`'s block linear layers behind the fidelity gate; returns (min cosine, mean cosine, kinds
     kept float), or raises ModelLoadError when the minimum stays below `min_cosine` or the mean below `min_mean_cosine`.
 
@@ -167,7 +170,8 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
             quantize_linears(model, originals, rows, maxima, keep)
             source = f"measured on {len(texts)} texts"
             _write_cache(key, {"min_cosine": low, "mean_cosine": mean, "float_kinds": sorted(keep)})
-    floats = f"; kept in {'bfloat16' if int8_linear.bf16_pays() else 'float32'}: {', '.join(sorted(keep))}" if keep else ""
+    dtype = "bfloat16" if int8_linear.bf16_pays() else "float32"
+    floats = f"; kept in {dtype}: {', '.join(sorted(keep))}" if keep else ""
     if low < min_cosine or mean < min_mean_cosine:
         raise ModelLoadError(f"quantization=int8: the int8 model's vectors reach a min cosine of {low:.4f} to"
                              f" float32 (mean {mean:.4f}, {source}{floats}), below min_cosine {min_cosine} (mean:"
