@@ -486,11 +486,12 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
         raise click.ClickException(str(e) if known else f"{type(e).__name__}: {e}") from None
 
 
-if __name__ == "__main__":
-    main()
-
 
 def _written(rows: int, dim: int) -> str:
     """What `wde embed` wrote: rows x width for a fixed-width `embedding` column, else rows (a ragged output such
     as `colbert`: a list of token vectors per row)."""
     return f"{rows} x {dim} embeddings" if dim else f"{rows} rows"
+
+
+if __name__ == "__main__":
+    main()
