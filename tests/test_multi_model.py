@@ -462,3 +462,122 @@ def test_three_models_a_route_a_model_cannot_serve_is_its_own_424(three: str, pa
     got = httpx.post(f"{three}{path}", json=body)
     assert got.status_code == 424, (path, got.text)
     assert f"but model '{model}' (workflow " in got.text, got.text
+
+
+# --- the token pool the engines of one process share (wde/token_pool.py) -----------------------------------------
+
+def test_token_pool_takes_waits_and_never_waits_on_itself() -> None:
+    import threading
+
+    from wde.token_pool import TokenPool
+
+    pool = TokenPool(100)
+    assert pool.take("a", 60, wait=False) == 60 and pool.held("a") == 60 and pool.in_use == 60
+    assert pool.take("b", 50, wait=False) is None  # short: a try fails at once
+    assert pool.take("b", 40, wait=False) == 40 and pool.in_use == 100
+    got: list[int | None] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.take("b", 500, wait=True)))  # more than the pool
+    waiter.start()
+    while not pool._waiting:  # noqa: SLF001 - the waiter is queued (no sleep: it cannot have taken anything)
+        waiter.join(0.01)
+    assert not got and pool.take("a", 1, wait=False) is None  # a waiter goes first: tries fail meanwhile
+    pool.give("a", 60)
+    assert not got  # 40 are still held by b's first batch
+    pool.give("b", 40)
+    waiter.join(30)
+    assert got == [100] and pool.held("b") == 100  # a batch larger than the pool takes the whole pool
+    pool.give("b", 100)
+    assert pool.in_use == 0 and pool.held("a") == pool.held("b") == 0
+    with pytest.raises(ValueError, match="at least 1 token"):
+        TokenPool(0)
+
+
+def test_two_engines_forwards_never_hold_more_than_the_shared_pool(minilm_path: Path, reranker_path: Path,
+                                                                   expected: dict[str, np.ndarray],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two engines driven from two threads at once, every forward instrumented: the tokens inside forwards, both
+    engines together, never exceed the pool (sized by --shared-token-budget to one engine's budget)."""
+    import threading
+    import time
+    from collections import Counter
+
+    from tests.tiny_models import varied_texts
+    from wde.server.app import share_tokens
+    from wde.server.metrics import ServerMetrics
+
+    budget = ["scheduler.params.max_num_batched_tokens=256"]
+    texts = [" ".join(t.split()[:30]) for t in varied_texts(48, seed=5)]
+    lock = threading.Lock()
+    inside = {"now": 0, "peak": 0, "forwards": Counter()}
+
+    def instrument(engine: Engine, name: str) -> None:
+        runner = engine.executor._runner  # noqa: SLF001 - the forward itself
+        run = runner.run
+
+        def counted(batch):  # type: ignore[no-untyped-def]
+            tokens = sum(batch.seq_lens)
+            with lock:
+                inside["now"] += tokens
+                inside["peak"] = max(inside["peak"], inside["now"])
+                inside["forwards"][name] += 1
+            try:
+                time.sleep(0.005)  # widen each forward so the two engines' overlap if the pool let them
+                return run(batch)
+            finally:
+                with lock:
+                    inside["now"] -= tokens
+
+        monkeypatch.setattr(runner, "run", counted)
+
+    with Engine.from_workflow("bert", minilm_path, overrides=budget) as embedder, \
+            Engine.from_workflow(None, reranker_path, overrides=budget) as ranker:
+        pool = share_tokens([embedder, ranker], ["embedder", "reranker"],
+                            ServerConfig(models=(ModelConfig(str(minilm_path), "bert", "embedder"),
+                                                        ModelConfig(str(reranker_path), None, "reranker")),
+                                                shared_token_budget=256), ServerMetrics())
+        assert pool is not None and pool.size == 256 and embedder.token_pool is pool is ranker.token_pool
+        instrument(embedder, "embedder")
+        instrument(ranker, "reranker")
+        errors: list[BaseException] = []
+
+        def drive(work) -> None:  # type: ignore[no-untyped-def]
+            try:
+                for _ in range(3):
+                    work()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=drive, args=(lambda: embedder.embed(texts, truncate=True),)),
+                   threading.Thread(target=drive, args=(lambda: ranker.score([(QUERY, t) for t in texts]),))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        assert inside["forwards"]["embedder"] > 1 and inside["forwards"]["reranker"] > 1, inside
+        assert 0 < inside["peak"] <= 256, inside
+        assert pool.in_use == 0  # every forward gave its tokens back
+        vectors = embedder.embed(TEXTS)
+    # the pool changes when batches run, not what they give
+    assert np.abs(np.asarray(vectors) - expected["vectors"]).max() <= TOL
+
+
+def test_the_shared_pool_is_in_metrics_per_model(three: str) -> None:
+    httpx.post(f"{three}/v1/embeddings", json={"model": "embedder", "input": TEXTS})
+    assert metric(three, "wde_shared_token_pool_size") == max(
+        m["max_batch_tokens"] for m in httpx.get(f"{three}/info").json()["models"])
+    for model in ("embedder", "reranker", "classifier"):
+        assert f'wde_shared_token_pool_tokens{{model="{model}"}} 0.0' in httpx.get(f"{three}/metrics").text
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--shared-token-budget", "0", "--api-servers", "0"), "--shared-token-budget must be an integer, at least 1"),
+    (("--shared-token-budget", "512", "--api-servers", "2"), "--shared-token-budget shares tokens between the"
+                                                              " engines of one process, but --api-servers 2"),
+])
+def test_wde_serve_refuses_a_shared_token_budget_it_cannot_honour(args: tuple[str, ...], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "wde.cli", "serve", *args, "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], done.stderr

@@ -333,6 +333,9 @@ def image_limit_overrides(**limits: float | None) -> list[str]:
               help="most inputs one request may carry (2048 is OpenAI's own limit); more is answered 422")
 @click.option("--max-concurrent-requests", default=512, show_default=True, type=int,
               help="HTTP requests inside the engine at once; one more is answered 429 at once, not queued")
+@click.option("--shared-token-budget", default=None, type=int, metavar="N",
+              help="tokens the forwards of all served models may hold at once, in one process (--api-servers 0);"
+                   " several models share one pool anyway, sized by the largest model's token budget")
 @click.option("--payload-limit", default=None, type=int, metavar="BYTES",
               help="largest request body in bytes; larger ones are answered 413 (default: a full batch of"
                    " max-length inputs fits, batch x (max length x 16 + 64) + 64 KiB, at least 2,000,000)")
@@ -399,7 +402,8 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
           grpc_port: int | None, api_key: str | None,
           served_model_names: tuple[str, ...], overrides: tuple[str, ...], lora_modules: tuple[str, ...],
           max_client_batch_size: int,
-          max_concurrent_requests: int, payload_limit: int | None, trust_remote_code: bool, access_log: bool,
+          max_concurrent_requests: int, shared_token_budget: int | None, payload_limit: int | None,
+          trust_remote_code: bool, access_log: bool,
           quantization_ranges: str | None, api_servers: str, token_id_inputs: bool, long_inputs: str,
           max_embed_len: int | None, request_timeout: float,
           stall_timeout: float, header_timeout: float, body_timeout: float, allowed_origins: tuple[str, ...],
@@ -442,6 +446,7 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
                               api_key=api_key,
                               max_client_batch_size=max_client_batch_size,
                               max_concurrent_requests=max_concurrent_requests, payload_limit=payload_limit,
+                              shared_token_budget=shared_token_budget,
                               trust_remote_code=trust_remote_code, access_log=access_log,
                               quantization_ranges=quantization_ranges, token_id_inputs=token_id_inputs,
                               long_inputs=long_inputs, max_embed_len=max_embed_len,  # type: ignore[arg-type]
@@ -470,6 +475,10 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
 
             count = default_api_servers() if api_servers == "auto" else int(api_servers)
             if count > 0:
+                if shared_token_budget is not None:
+                    raise StartupError("--shared-token-budget shares tokens between the engines of one process,"
+                                       f" but --api-servers {api_servers} runs each model's engine core in a process"
+                                       " of its own; give --api-servers 0")
                 sys.exit(run_split_server(config, count))
         run_server(config)
     except EngineFailed as e:

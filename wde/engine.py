@@ -32,6 +32,7 @@ from wde.late_chunking import Document, LateChunk, check_spans, join, prepare, r
 from wde.model_source import ModelSource
 from wde.registry import Registry, get_registry
 from wde.request import PoolingParams, Request, RequestOutput, SchedulableRequest
+from wde.token_pool import TokenPool
 from wde.workflow import ResolvedWorkflow, load_workflow, overrides_to_paths
 
 
@@ -246,6 +247,11 @@ class Engine:
         """Halves of failed batches, run before anything new until the culprit is alone (see `_failed`)."""
         self._failed_alone: dict[str, int] = {}
         """Request id → times it failed in a batch of its own (a request gets `SOLO_ATTEMPTS` tries)."""
+        self.token_pool: TokenPool | None = None
+        """Tokens shared with the other engines of this process (`wde/token_pool.py`): each batch takes its tokens
+        before its forward and gives them back after; None: only this engine's own budget bounds its batches."""
+        self.pool_owner = ""
+        """The name this engine holds pool tokens under (its served model's)."""
         try:
             self._probe()
         except BaseException:
@@ -381,10 +387,18 @@ class Engine:
                 finished.extend(batch.rejected)
             if not batch.scheduled:
                 break
+            taken = self._take_tokens(batch)
+            if taken == 0:  # the shared pool is short and a batch of ours is in flight: finish that one first
+                self._retry.appendleft(batch)
+                break
             try:
-                self._inflight.append((batch, self.executor.submit(self.input_builder.build(batch))))
+                future = self.executor.submit(self.input_builder.build(batch))
             except Exception as e:  # noqa: BLE001 - isolated by `_failed`
+                self._give_tokens(taken)
                 done.extend(self._failed(batch, e, "model input builder"))
+            else:
+                future.add_done_callback(lambda _, pool=self.token_pool, taken=taken: self._give_tokens(taken, pool))
+                self._inflight.append((batch, future))
         if self._inflight:
             batch, future = self._inflight.popleft()
             try:
@@ -405,6 +419,21 @@ class Engine:
             if merged is not None:
                 finished.append(merged)
         return finished
+
+    def _take_tokens(self, batch: SchedulerOutput) -> int | None:
+        """Take `batch`'s tokens from the shared pool: None without a pool, 0 where the pool is short and a batch
+        of this engine is in flight (never wait then: collect and deliver that batch first), else the tokens taken,
+        waiting for the other engines' forwards where nothing of ours is in flight."""
+        if self.token_pool is None:
+            return None
+        taken = self.token_pool.take(self.pool_owner, batch.num_tokens, wait=not self._inflight)
+        return 0 if taken is None else taken
+
+    def _give_tokens(self, taken: int | None, pool: TokenPool | None = None) -> None:
+        """Give back what `_take_tokens` took, to `pool` (the one it was taken from; default: this engine's)."""
+        pool = pool or self.token_pool
+        if taken is not None and pool is not None:
+            pool.give(self.pool_owner, taken)
 
     @staticmethod
     def _drop_nonfinite(batch: SchedulerOutput, pooled: Pooled) -> tuple[SchedulerOutput, Pooled, list[Done]]:

@@ -12,7 +12,7 @@ from typing import AsyncIterator, Sequence
 
 from fastapi import FastAPI
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -21,6 +21,7 @@ from wde.async_engine import AsyncEngine
 from wde.core.client import CoreClient
 from wde.engine import Engine
 from wde.serving import ServingFrontEnd
+from wde.token_pool import TokenPool
 from wde.server import (cohere_routes, lora_routes, openai_routes, rerank_routes, score_routes, tei_routes,
                         weaviate_routes)
 from wde.server.config import ServerConfig
@@ -64,6 +65,7 @@ def create_app(engine: Engine | CoreClient | Sequence[Engine | CoreClient],
             async_engines.append(each)
         model_metrics.bind(async_engines[-1])
     in_process = isinstance(engines[0], Engine)
+    app_pool = share_tokens([e for e in engines if isinstance(e, Engine)], [n[0] for n in names], config, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -83,6 +85,7 @@ def create_app(engine: Engine | CoreClient | Sequence[Engine | CoreClient],
     app.state.models = ServedModels(services)
     app.state.service = services[0]
     app.state.metrics = metrics
+    app.state.token_pool = app_pool
     for router in _ROUTERS:
         app.include_router(router)
 
@@ -129,6 +132,28 @@ def _main_thread() -> bool:
 
 class EngineFailed(RuntimeError):
     """The engine loop gave up after repeated failures; `wde serve` exits non-zero so a supervisor restarts it."""
+
+
+def share_tokens(engines: Sequence[Engine], names: Sequence[str], config: ServerConfig,
+                 metrics: ServerMetrics) -> TokenPool | None:
+    """One token pool for the engines of this process (wde/token_pool.py) where it serves several models, or where
+    `config.shared_token_budget` is given: its size that option, else the largest engine's own budget. Reported in
+    /metrics as `wde_shared_token_pool_size` and, per model, `wde_shared_token_pool_tokens` (what its forwards hold
+    now). None for one model without the option, and in an API server (its engines are the cores' processes)."""
+    if not engines or (len(engines) == 1 and config.shared_token_budget is None):
+        for engine in engines:  # an engine an earlier app of several models shared stops sharing
+            engine.token_pool = None
+        return None
+    budgets = [e.scheduler.token_budget for e in engines if e.scheduler.token_budget is not None]
+    pool = TokenPool(config.shared_token_budget or max(budgets, default=1))
+    Gauge("wde_shared_token_pool_size", "tokens the forwards of every model's engine in this process may hold at"
+          " once (--shared-token-budget, else the largest engine's budget)", registry=metrics.registry).set(pool.size)
+    held = Gauge("wde_shared_token_pool_tokens", "tokens of the shared pool the model's forwards hold now",
+                 ["model"], registry=metrics.registry)
+    for engine, name in zip(engines, names):
+        engine.token_pool, engine.pool_owner = pool, name
+        held.labels(name).set_function(lambda name=name: pool.held(name))
+    return pool
 
 
 def run_server(config: ServerConfig) -> None:

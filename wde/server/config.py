@@ -88,6 +88,10 @@ class ServerConfig:
     wde/server/model_config.py); empty: the one model of `workflow`, `model`, `served_model_name` and
     `overrides`, which must then be unset."""
 
+    shared_token_budget: int | None = None
+    """Tokens the forwards of all the models' engines may hold at once (`wde/token_pool.py`), in one process of
+    several models; None: the largest engine's own token budget."""
+
     def served_models(self) -> tuple[ModelConfig, ...]:
         """The models this server serves, the default one (for requests naming none) first."""
         return self.models or (ModelConfig(self.model, self.workflow, self.served_model_name, tuple(self.overrides)),)
@@ -169,6 +173,7 @@ AT_LEAST_ONE = {
     "image_fetch_max_bytes": "with 0 every fetched image would be refused",
     "image_fetch_connections": "with 0 no image could be fetched",
     "max_embed_len": "with 0 every input would be refused",
+    "shared_token_budget": "a pool of 0 tokens would run no batch",
 }
 """Integer settings whose minimum is 1, with why a smaller value is meaningless."""
 SECONDS_OR_ZERO = ("request_timeout", "stall_timeout", "header_timeout", "body_timeout")
@@ -182,7 +187,7 @@ def check_limits(config: ServerConfig) -> None:
     numbers here) at least 1, timeouts finite and not negative (0 where it means no limit, else above 0)."""
     for name, why in AT_LEAST_ONE.items():
         value = getattr(config, name)
-        if value is None and name in ("payload_limit", "max_embed_len"):
+        if value is None and name in ("payload_limit", "max_embed_len", "shared_token_budget"):
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise LimitError(name, value, "an integer, at least 1", why)
