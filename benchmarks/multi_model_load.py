@@ -11,8 +11,9 @@ text, a rerank of one query against `--documents` documents, a classification of
 connection per kind, until `--requests` requests are done. The loads alternate between the two sides for
 `--rounds` rounds (combined first in odd rounds, separate first in even ones), so a neighbour's load on a shared
 CPU falls on both; each side's figures are the median over rounds. Prints per round and per model req/s, p50/p99,
-then the medians side by side with the ratio combined / separate. The client (`_post`), the server start of one
-model (`serve_wde`) and the health wait come from `benchmarks/serve_load.py`.
+then the medians side by side with the ratio combined / separate, and each round's own ratio (its two loads ran
+back to back) with their median. The client (`_post`), the server start of one model (`serve_wde`) and the
+health wait come from `benchmarks/serve_load.py`.
 
     python benchmarks/multi_model_load.py                                  # embedder + reranker
     python benchmarks/multi_model_load.py --models embedder,reranker,classifier --rounds 5 --requests 1200
@@ -205,6 +206,11 @@ def main() -> None:
     total = {label: statistics.median(sum(x.rps(k) for k in kinds) for x in loads) for label, loads in runs.items()}
     print(f"{'all':>10}  {total['combined']:14.1f} {'':7} {'':7}  {total['separate']:14.1f} {'':7} {'':7}"
           f"  {total['combined'] / total['separate']:.2f}x")
+    # Each round's two loads ran back to back: their ratio cancels a neighbour's load that changed between rounds.
+    paired = [sum(c.rps(k) for k in kinds) / sum(s.rps(k) for k in kinds)
+              for c, s in zip(runs["combined"], runs["separate"])]
+    print(f"paired ratio combined / separate, all kinds, per round: {' '.join(f'{r:.2f}x' for r in paired)};"
+          f" median {statistics.median(paired):.2f}x")
 
 
 if __name__ == "__main__":

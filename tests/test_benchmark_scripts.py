@@ -79,3 +79,5 @@ def test_multi_model_load_runs_both_sides_and_they_agree() -> None:
     rows = re.findall(r"^ *(\w+) +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +([\d.]+)x$", text, re.M)
     assert [name for name, _ in rows] == ["embedder", "reranker", "classifier"], text
     assert re.search(r"^ +all +[\d.]+ +[\d.]+ +[\d.]+x$", text, re.M), text
+    paired = r"^paired ratio combined / separate, all kinds, per round: [\d.]+x; median [\d.]+x$"
+    assert re.search(paired, text, re.M), text

@@ -1,7 +1,9 @@
 """Several models behind one `wde serve` (wde/server/model_config.py, `ServedModels` in wde/server/service.py):
 an embedder and a reranker in one process and in split mode, each route answering for the model its request
 names, a 404 naming the served ones, start-up refusals of mismatched options in one line, the YAML serve config,
-per-model /metrics series, and Jina's `task` refused by name where the model takes no task option."""
+per-model /metrics series, and Jina's `task` refused by name where the model takes no task option; three models
+(embedder, reranker, classifier) each answering its routes and refusing the others by name; the token pool the
+engines of one process share (wde/token_pool.py)."""
 
 from __future__ import annotations
 
@@ -478,7 +480,7 @@ def test_token_pool_takes_waits_and_never_waits_on_itself() -> None:
     got: list[int | None] = []
     waiter = threading.Thread(target=lambda: got.append(pool.take("b", 500, wait=True)))  # more than the pool
     waiter.start()
-    while not pool._waiting:  # noqa: SLF001 - the waiter is queued (no sleep: it cannot have taken anything)
+    while not pool._waiting and waiter.is_alive():  # noqa: SLF001 - until the waiter is queued
         waiter.join(0.01)
     assert not got and pool.take("a", 1, wait=False) is None  # a waiter goes first: tries fail meanwhile
     pool.give("a", 60)
