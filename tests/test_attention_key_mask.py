@@ -106,9 +106,9 @@ def test_cpu_backends_match_the_dense_reference(name: str, lens: list[int], caus
     bias = attention_bias(lens) if biased else None
     meta = backend.build_metadata(masked_batch(lens, mask), causal, bias, window)
     assert meta.key_mask is mask
-    if name == "auto":  # unbiased: cpu_flash_varlen where its kernel is built, else a window or long sequences go
+    if name == "auto":  # unbiased: cpu_flash_varlen for short ones where its kernel is built, else a window or long go
         routed = CpuVarlenBackend if not biased and (window or lens is LONG) else TorchSDPABackend  # to cpu_varlen
-        routed = CpuFlashVarlenBackend if not biased and prefer_cpu_flash() else routed
+        routed = CpuFlashVarlenBackend if not biased and prefer_cpu_flash(lens) else routed
         assert type(meta.extra[0]) is routed
     out = backend.forward(q, k, v, meta, 0.3)
     expected = reference(q, k, v, lens, mask, causal, window, bias, 0.3)

@@ -52,7 +52,7 @@ def test_a_bias_is_refused_with_a_clear_error() -> None:
 
 
 def test_auto_picks_cpu_varlen_for_long_cpu_batches_only(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("wde.components.attention.auto.prefer_cpu_flash", lambda: False)  # its kernel not built
+    monkeypatch.setattr("wde.components.attention.auto.prefer_cpu_flash", lambda lens: False)  # its kernel not built
     with Engine.from_workflow("bert", tiny_bert, device="cpu", attention={"name": "auto"},
                               overrides=["pooler.params.pooling=mean"]) as engine:
         auto = engine.components["attention"]

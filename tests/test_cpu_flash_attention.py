@@ -173,10 +173,10 @@ def test_without_the_kernel_it_computes_the_same_as_cpu_varlen(fresh_kernel_stat
         assert torch.equal(out, same)
         torch.testing.assert_close(out, reference(q, k, v, lens, causal, window, mask, 0.25).float(), atol=1e-5,
                                    rtol=1e-5)
-    assert not cpu_flash.prefer_cpu_flash()
+    assert not cpu_flash.prefer_cpu_flash([3, 4])
 
 
-def test_auto_picks_cpu_flash_varlen_for_unbiased_cpu_batches_where_it_is_built(
+def test_auto_picks_cpu_flash_varlen_for_short_unbiased_cpu_batches_where_it_is_built(
         fresh_kernel_state: pytest.MonkeyPatch) -> None:
     auto = bare_backend(AutoBackend)
     auto._cpu = auto._cuda = bare_backend(TorchSDPABackend)  # type: ignore[attr-defined]
@@ -184,10 +184,9 @@ def test_auto_picks_cpu_flash_varlen_for_unbiased_cpu_batches_where_it_is_built(
     auto._cpu_flash = bare_backend(CpuFlashVarlenBackend)  # type: ignore[attr-defined]
     short, long = packed_batch([5, 9, 3]), packed_batch([100, 300])
     built = load_kernel() is not None
-    for batch in (short, long):
-        assert type(auto.build_metadata(batch, False).extra[0]) is (CpuFlashVarlenBackend if built else
-                                                                    CpuVarlenBackend if batch is long else
-                                                                    TorchSDPABackend)
+    assert cpu_flash.prefer_cpu_flash([5, 9, 3]) == built and not cpu_flash.prefer_cpu_flash([100, 300])
+    assert type(auto.build_metadata(short, False).extra[0]) is (CpuFlashVarlenBackend if built else TorchSDPABackend)
+    assert type(auto.build_metadata(long, False).extra[0]) is CpuVarlenBackend  # long: SDPA's own kernel per run
     assert type(auto.build_metadata(long, False, torch.zeros(4, 300, 300)).extra[0]) is TorchSDPABackend
     fresh_kernel_state.setenv("WDE_CPU_FLASH", "0")
     load_kernel.cache_clear()

@@ -1,9 +1,9 @@
 """`auto`: the fastest attention backend that runs where the batch is.
 
 CUDA batches go to the Triton varlen kernel (no padding at all; 2–12x faster than padded SDPA in
-docs/benchmarks.md). CPU batches go to `cpu_flash_varlen` (the whole packed batch in one C++ kernel call; 1.8–3.5x
-`torch_sdpa` on short and long texts in docs/benchmarks.md) where its kernel is built (`cpu_flash.prefer_cpu_flash`);
-else to `cpu_varlen` (per-sequence SDPA on views of the packed tensors) when their sequences are long enough for it
+docs/benchmarks.md). CPU batches of short sequences go to `cpu_flash_varlen` (the whole packed batch in one C++ kernel
+call; 1.4–7x `torch_sdpa` on short texts in docs/benchmarks.md) where its kernel is built
+(`cpu_flash.prefer_cpu_flash`); others to `cpu_varlen` (per-sequence SDPA on views of the packed tensors) when their sequences are long enough for it
 to win (`cpu_varlen.prefer_varlen`), else to `torch_sdpa`. A batch with an additive bias stays on `torch_sdpa`.
 The choice is made per batch from the tensors' device and lengths, so a model placed on CPU on a machine with a GPU
 still works.
@@ -44,7 +44,7 @@ class AutoBackend(AttentionBackend):
             backend = self._cuda
         elif bias is not None:  # neither varlen backend takes a bias
             backend = self._cpu
-        elif prefer_cpu_flash():
+        elif prefer_cpu_flash(batch.seq_lens):
             backend = self._cpu_flash
         else:  # a window costs cpu_varlen no mask
             varlen = prefer_varlen(batch.seq_lens) or (window is not None and covering(window, batch.max_seqlen))

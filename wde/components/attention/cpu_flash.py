@@ -91,11 +91,15 @@ def load_kernel() -> ModuleType | None:
         return None
 
 
-def prefer_cpu_flash() -> bool:
-    """Whether `auto` sends CPU batches (without a bias) here: wherever the kernel is built. It measured faster than
-    `torch_sdpa` and `cpu_varlen` on every shape of benchmarks/cpu_attention.py (MiniLM and BERT-base heads, short
-    and long texts, float32 and bfloat16; docs/benchmarks.md)."""
-    return load_kernel() is not None
+MAX_MEAN_LEN = 128
+"""`auto` uses this backend for CPU batches whose mean sequence length is below this, where its kernel is built."""
+
+
+def prefer_cpu_flash(seq_lens: list[int]) -> bool:
+    """Whether `auto` sends a CPU batch (without a bias) with these lengths here: where the kernel is built and the
+    sequences are short. On short texts (20-40 tokens) it beat `torch_sdpa` and `cpu_varlen` 1.4-7x; on long ones
+    (200-500) `cpu_varlen` (SDPA's flash kernel per run) was faster on a quieter machine (docs/benchmarks.md)."""
+    return sum(seq_lens) < MAX_MEAN_LEN * len(seq_lens) and load_kernel() is not None
 
 
 class CpuFlashVarlenBackend(CpuVarlenBackend):
