@@ -231,3 +231,16 @@ def test_minilm_with_cpu_flash_varlen_matches_sentence_transformers(minilm_path:
         got = engine.embed(texts)
     diff = float(np.abs(got - ref).max())
     assert diff <= 1e-4, f"max abs diff {diff:.2e}"
+
+
+def test_an_engine_on_cpu_has_the_kernel_before_its_first_batch(fresh_kernel_state: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """The kernel is built (or loaded from the cache) while the engine is built, not inside the first batch, where a
+    first build's ~35 s would hold that batch's requests and trip the stall timeout."""
+    from tests.tiny_models import build_bert
+
+    fresh_kernel_state.setenv("WDE_DEVICE", "cpu")
+    path = build_bert(tmp_path / "bert")
+    with Engine.from_workflow("bert", str(path), device="cpu",
+                              overrides=["attention.name=auto", "pooler.params.pooling=mean"]):
+        assert load_kernel.cache_info().currsize == 1  # decided at build; no batch has run

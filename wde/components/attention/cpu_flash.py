@@ -29,10 +29,12 @@ from types import ModuleType
 
 import torch
 
-from wde.components.attention.base import AttentionMetadata, Window
+from wde.components.attention.base import AttentionMetadata, AttentionParams, Window
 from wde.components.attention.cpu_varlen import CpuVarlenBackend
 from wde.components.attention.torch_sdpa import covering
+from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
+from wde.device import default_device
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,13 @@ class CpuFlashVarlenBackend(CpuVarlenBackend):
     name = "cpu_flash_varlen"
     supports_window = True
     supports_key_mask = True
+
+    def __init__(self, params: AttentionParams, ctx: BuildContext) -> None:
+        super().__init__(params, ctx)
+        # Build (or load) the kernel at start-up: a first build takes ~35 s, which inside the first batch would hold
+        # its requests and trip --stall-timeout. (A model placed on CPU on a GPU machine builds it at its first batch.)
+        if default_device().type == "cpu":
+            load_kernel()
 
     def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None,
                        window: Window | None = None) -> AttentionMetadata:
