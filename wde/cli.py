@@ -495,7 +495,6 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
         raise click.ClickException(str(e) if known else f"{type(e).__name__}: {e}") from None
 
 
-
 def _written(rows: int, dim: int) -> str:
     """What `wde embed` wrote: rows x width for a fixed-width `embedding` column, else rows (a ragged output such
     as `colbert`: a list of token vectors per row)."""
