@@ -173,7 +173,9 @@ def test_every_family_runs_mixed_and_stays_close_to_float32(case: str, tmp_path:
     for key in ref:
         assert mixed[key].shape == ref[key].shape and np.isfinite(mixed[key]).all()
         err_mixed, err_pure = _error(ref[key], mixed[key]), _error(ref[key], pure[key])
-        bound = 2e-4 if ref[key].ndim == 2 else 1e-2  # measured: ≤ 5e-5 for vectors, ≤ 6e-3 for log-odds
+        # measured: ≤ 5e-5 for vectors; log-odds ≤ 6.2e-3 with cpu_varlen's attention and 1.01e-2 (tiny random
+        # qwen3_reranker; pure bf16 2.1e-2) with cpu_flash_varlen's, which rounds its bf16 output at another point
+        bound = 2e-4 if ref[key].ndim == 2 else 1.5e-2
         assert err_mixed <= bound, f"{key}: mixed {err_mixed:.2e} (pure {err_pure:.2e})"
         # float32 kernels (cpu_kernels.py, where a host runs them faster): the float32 model, output rounded to bf16
         assert _error(ref[key], wide[key]) <= (2e-5 if ref[key].ndim == 2 else 1e-2), key
