@@ -19,8 +19,8 @@ from wde.server.errors import ApiError
 from wde.server.image_inputs import check_one_part, image_inputs, require_images, text_input
 from wde.server.protocol import (Body, CohereEmbeddingType, CohereEmbedRequest, CohereImage, body_schema, parse,
                                  read_json)
-from wde.server.quantize import quantize_rows
-from wde.server.responses import JSONResponse, encode_array
+from wde.server.quantize import quantize_rows, to_base64
+from wde.server.responses import JSONResponse
 from wde.server.service import Service, model_service
 
 router = APIRouter()
@@ -186,7 +186,7 @@ def _embeddings(result: Any) -> list[np.ndarray]:
 
 def _by_type(svc: Service, floats: list[np.ndarray], types: list[str]) -> dict[str, list]:
     """`embeddings` of an `embeddings_by_type` answer: each asked type once, in the order asked. Token matrices
-    (a late-interaction model's) come as float (a list of rows per input) and base64 (`encode_array`: row-major
+    (a late-interaction model's) come as float (a list of rows per input) and base64 (`to_base64`: row-major
     little-endian float32, an input's rows one after the other); their quantized types are refused by name."""
     embeddings: dict[str, list] = {}
     matrices = any(v.ndim == 2 for v in floats)
@@ -194,7 +194,7 @@ def _by_type(svc: Service, floats: list[np.ndarray], types: list[str]) -> dict[s
         if kind == "float":
             embeddings[kind] = floats
         elif kind == "base64":
-            embeddings[kind] = [encode_array(v, "base64", endianness="little") for v in floats]
+            embeddings[kind] = [to_base64(v) for v in floats]
         elif matrices:
             raise ApiError("validation", f"embedding_types {kind!r}: a late-interaction model's token vectors are"
                            " served as float and base64 (float32); int8, uint8, binary and ubinary are not",
