@@ -1,28 +1,39 @@
 // Packed varlen attention on CPU: one call for a whole batch of sequences packed as [tokens, heads, head_dim].
 //
-// Work is split into tasks of (sequence, query block of QB rows, head), run with at::parallel_for. A task keeps its
-// queries (scaled, in float) and a running output in local buffers and walks the keys its rows can reach in tiles of
-// KB keys with the online softmax (flash attention): no padding, no [len, len] score matrix, no gather. bf16 inputs
-// are widened to float as they are loaded; dot products and the softmax run in float. A local window and the causal
-// mask bound the key range of each row; a key mask (one bool per token) adds -inf to the scores of masked keys.
-// A row left with no key to attend outputs zeros.
+// Work is split into tasks of (sequence, head, run of query blocks of QB rows). A task first converts the keys and
+// values its rows can reach, once, into a thread-local buffer laid out for the inner loops (keys transposed into
+// tiles of KB, values row by row, a key-mask bias per key), then walks its query blocks: each keeps its queries and
+// a running output in local buffers and goes over the key tiles its rows reach with the online softmax (flash
+// attention): no padding, no [len, len] score matrix, no gather. A sequence is cut into several runs of blocks only
+// where that is needed to give every thread work (few sequences, many threads); tasks are taken longest first from
+// a shared counter. A local window and the causal mask bound the key range of each row; a key mask (one bool per
+// token) adds -inf to the scores of masked keys. A row left with no key to attend outputs zeros.
 //
-// The hot loops use GCC vector types (16 floats: one AVX-512 register, two AVX2 ones), with scores and outputs of
-// 4 query rows held in registers, and a polynomial exp; head_dim is a template argument for 32, 64 and 128 (other
-// sizes take plain loops). wde/components/attention/cpu_flash.py builds it for the host's own instruction set
-// (-march=native), or for AVX2 under torch's AVX2 cap.
+// Two inner paths. float32 inputs (and bf16 ones on CPUs without AVX512-BF16) are widened to float, and the dot
+// products and softmax run in float with GCC vector types (16 floats: one AVX-512 register, two AVX2 ones), scores
+// and outputs of 4 query rows held in registers, and a polynomial exp. bf16 inputs where the compiler targets
+// AVX512-BF16 (__AVX512BF16__) and head_dim is 32, 64 or 128 take Q.K^T and P.V with vdpbf16ps (bf16 pairs along
+// the reduction, float accumulators): keys stay bf16 as pairs of dimensions, values are interleaved as pairs of
+// keys, and the softmax weights P are rounded to bf16 as GPU flash kernels do; the softmax itself stays in float.
+// head_dim is a template argument for 32, 64 and 128 (other sizes take plain loops). wde/components/attention/
+// cpu_flash.py builds it for the host's own instruction set (-march=native), or for AVX2 under torch's AVX2 cap.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
-constexpr int64_t QB = 32;  // query rows per task
+constexpr int64_t QB = 32;  // query rows per block
 constexpr int64_t KB = 64;  // keys per tile
 constexpr int64_t MAX_D = 256;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -43,6 +54,10 @@ struct Packed {  // a [tokens, heads, d] tensor with unit stride on d
   T* row(int64_t token, int64_t head) const { return p + token * st + head * sh; }
 };
 
+struct Task {  // query blocks [b0, b1) of one sequence and head
+  int64_t seq, head, b0, b1, cost;
+};
+
 typedef float vf __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register, two AVX2 ones
 constexpr int64_t VW = 16;
 constexpr int64_t RG = 4;  // query rows whose scores / outputs are accumulated together in registers
@@ -51,6 +66,26 @@ inline vf vload(const float* p) { vf x; __builtin_memcpy(&x, p, sizeof x); retur
 inline void vstore(float* p, vf x) { __builtin_memcpy(p, &x, sizeof x); }
 typedef int32_t vi __attribute__((vector_size(64)));
 
+// e^x lane by lane (Cephes' expf: 2^n times a degree-6 polynomial of the remainder; ~1 ulp); 0 below -87 (AVX-512:
+// below about -104, 2^n applied by vscalefps)
+#ifdef __AVX512F__
+inline vf vexp(vf xv) {
+  __m512 x = _mm512_min_ps(_mm512_max_ps((__m512)xv, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.f));  // -inf too
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, x), x, _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  return (vf)_mm512_scalef_ps(p, n);
+}
+inline float vsum(vf x) { return _mm512_reduce_add_ps((__m512)x); }
+inline float vmax(vf x) { return _mm512_reduce_max_ps((__m512)x); }
+#else
 // e^x lane by lane (Cephes' expf: 2^n times a degree-6 polynomial of the remainder; ~1 ulp); 0 below -87
 inline vf vexp(vf x) {
   const vf dead = x < -87.f ? vf{} + 1.f : vf{};
@@ -74,14 +109,25 @@ inline vf vexp(vf x) {
 
 inline float vsum(vf x) { float t = 0.f; for (int64_t i = 0; i < VW; ++i) t += x[i]; return t; }
 inline float vmax(vf x) { float t = x[0]; for (int64_t i = 1; i < VW; ++i) t = std::max(t, x[i]); return t; }
+#endif
+
+// The keys and values of one task, converted once. Key tile t holds keys kc0 + t*KB .. + KB; keys past the task's
+// range are zeros with a -inf bias. Float path: K as [tile][d][KB] floats, V as [key][d] floats. bf16 dot-product
+// path: K as [tile][d/2][KB] pairs of bf16 (dimensions 2c, 2c+1 of a key), V as [key/2][d] pairs of bf16 (keys
+// 2j, 2j+1 of a dimension).
+struct KV {
+  std::vector<float> kf, vf_, bias;
+  std::vector<char> masked;  // per tile: whether a key of it is masked or missing
+  std::vector<uint32_t> k2, v2;
+};
 
 // s[r][0:KB] = qf[r] . kt[:, 0:KB] for rows r0 .. r0+RG-1 (all of them in the buffers)
 template <int64_t D>
-inline void scores(const float (*qf)[D], const float (*kt)[KB], float (*s)[KB], int64_t r0) {
+inline void scores(const float (*qf)[D], const float* kt, float (*s)[KB], int64_t r0) {
   vf acc[RG][KB / VW] = {};
   for (int64_t c = 0; c < D; ++c) {
     vf kc[KB / VW];
-    for (int64_t x = 0; x < KB / VW; ++x) kc[x] = vload(&kt[c][x * VW]);
+    for (int64_t x = 0; x < KB / VW; ++x) kc[x] = vload(kt + c * KB + x * VW);
     for (int64_t r = 0; r < RG; ++r) {
       const float qv = qf[r0 + r][c];
       for (int64_t x = 0; x < KB / VW; ++x) acc[r][x] += qv * kc[x];
@@ -93,14 +139,14 @@ inline void scores(const float (*qf)[D], const float (*kt)[KB], float (*s)[KB], 
 
 // acc[r] = acc[r] * alpha[r] + s[r][0:nk] . vt[0:nk] for rows r0 .. r0+RG-1
 template <int64_t D>
-inline void accumulate(float (*acc)[D], const float (*vt)[D], const float (*s)[KB], const float* alpha, int64_t r0,
+inline void accumulate(float (*acc)[D], const float* vt, const float (*s)[KB], const float* alpha, int64_t r0,
                        int64_t nk) {
   vf o[RG][D / VW];
   for (int64_t r = 0; r < RG; ++r)
     for (int64_t x = 0; x < D / VW; ++x) o[r][x] = vload(&acc[r0 + r][x * VW]) * alpha[r0 + r];
   for (int64_t j = 0; j < nk; ++j) {
     vf vj[D / VW];
-    for (int64_t x = 0; x < D / VW; ++x) vj[x] = vload(&vt[j][x * VW]);
+    for (int64_t x = 0; x < D / VW; ++x) vj[x] = vload(vt + j * D + x * VW);
     for (int64_t r = 0; r < RG; ++r) {
       const float p = s[r0 + r][j];
       for (int64_t x = 0; x < D / VW; ++x) o[r][x] += p * vj[x];
@@ -110,63 +156,166 @@ inline void accumulate(float (*acc)[D], const float (*vt)[D], const float (*s)[K
     for (int64_t x = 0; x < D / VW; ++x) vstore(&acc[r0 + r][x * VW], o[r][x]);
 }
 
-template <typename scalar_t, int64_t D>
-void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Packed<const scalar_t>& k,
-                  const Packed<const scalar_t>& v, const Packed<scalar_t>& out, int64_t start, int64_t len,
-                  int64_t q0, int64_t head) {
+#ifdef __AVX512BF16__
+inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+// s[r][0:KB] = scale * q2[r] . k2[:, 0:KB] for rows r0 .. r0+RG-1; q2 / k2 are pairs of bf16 along head_dim
+template <int64_t D>
+inline void scores_bf16(const uint32_t (*q2)[D / 2], const uint32_t* kt, float (*s)[KB], int64_t r0, float scale) {
+  __m512 acc[RG][KB / VW];
+  for (int64_t r = 0; r < RG; ++r)
+    for (int64_t x = 0; x < KB / VW; ++x) acc[r][x] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D / 2; ++c) {
+    __m512i kc[KB / VW];
+    for (int64_t x = 0; x < KB / VW; ++x) kc[x] = _mm512_loadu_si512(kt + c * KB + x * VW);
+    for (int64_t r = 0; r < RG; ++r) {
+      const __m512bh qv = as_bh(_mm512_set1_epi32(static_cast<int>(q2[r0 + r][c])));
+      for (int64_t x = 0; x < KB / VW; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], qv, as_bh(kc[x]));
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < RG; ++r)
+    for (int64_t x = 0; x < KB / VW; ++x) _mm512_storeu_ps(&s[r0 + r][x * VW], _mm512_mul_ps(acc[r][x], sc));
+}
+
+// acc[r] = acc[r] * alpha[r] + p2[r][0:np] . v2[0:np] for rows r0 .. r0+RG-1; p2 / v2 are pairs of bf16 along keys
+template <int64_t D>
+inline void accumulate_bf16(float (*acc)[D], const uint32_t* vt, const uint32_t (*p2)[KB / 2], const float* alpha,
+                            int64_t r0, int64_t np) {
+  __m512 o[RG][D / VW];
+  for (int64_t r = 0; r < RG; ++r)
+    for (int64_t x = 0; x < D / VW; ++x)
+      o[r][x] = _mm512_mul_ps(_mm512_loadu_ps(&acc[r0 + r][x * VW]), _mm512_set1_ps(alpha[r0 + r]));
+  for (int64_t j = 0; j < np; ++j) {  // v2 row j: D pairs (keys 2j, 2j+1), D / VW registers of 16 pairs
+    __m512i vj[D / VW];
+    for (int64_t x = 0; x < D / VW; ++x) vj[x] = _mm512_loadu_si512(vt + j * D + x * VW);
+    for (int64_t r = 0; r < RG; ++r) {
+      const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int>(p2[r0 + r][j])));
+      for (int64_t x = 0; x < D / VW; ++x) o[r][x] = _mm512_dpbf16_ps(o[r][x], p, as_bh(vj[x]));
+    }
+  }
+  for (int64_t r = 0; r < RG; ++r)
+    for (int64_t x = 0; x < D / VW; ++x) _mm512_storeu_ps(&acc[r0 + r][x * VW], o[r][x]);
+}
+
+// the first n floats of s, rounded to bf16 (round to nearest even), as n / 2 pairs
+inline void to_bf16_pairs(const float* s, uint32_t* out, int64_t n) {
+  for (int64_t x = 0; x < n; x += 2 * VW) {
+    const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + x + VW), _mm512_loadu_ps(s + x));
+    _mm512_storeu_si512(out + x / 2, (__m512i)b);
+  }
+}
+constexpr bool HAS_DPBF16 = true;
+#else
+constexpr bool HAS_DPBF16 = false;
+#endif
+
+inline uint16_t bf16_bits(const c10::BFloat16& x) { return x.x; }
+
+// the keys [kc0, kc1) of one sequence and kv head, converted into kv for the float path (DP false) or the bf16
+// dot-product path (DP true)
+template <typename scalar_t, int64_t D, bool DP>
+void load_kv(const Problem& pb, const Packed<const scalar_t>& k, const Packed<const scalar_t>& v, int64_t start,
+             int64_t kvh, int64_t kc0, int64_t kc1, KV& kv) {
+  const int64_t d = D > 0 ? D : pb.d;
+  const int64_t n = kc1 - kc0;
+  const int64_t tiles = (n + KB - 1) / KB;
+  kv.bias.resize(tiles * KB);
+  kv.masked.assign(tiles, 0);
+  for (int64_t j = 0; j < tiles * KB; ++j) {
+    kv.bias[j] = j >= n ? NEG_INF : (pb.key_mask == nullptr || pb.key_mask[start + kc0 + j]) ? 0.f : NEG_INF;
+    if (kv.bias[j] != 0.f) kv.masked[j / KB] = 1;
+  }
+  if constexpr (DP) {
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      kv.k2.assign(tiles * (d / 2) * KB, 0u);
+      kv.v2.assign(tiles * (KB / 2) * d, 0u);
+      for (int64_t j = 0; j < n; ++j) {
+        const uint32_t* ks = reinterpret_cast<const uint32_t*>(k.row(start + kc0 + j, kvh));
+        uint32_t* kt = kv.k2.data() + (j / KB) * (d / 2) * KB + j % KB;
+        for (int64_t c = 0; c < d / 2; ++c) kt[c * KB] = ks[c];
+        const scalar_t* vs = v.row(start + kc0 + j, kvh);
+        uint16_t* vt = reinterpret_cast<uint16_t*>(kv.v2.data() + (j / 2) * d) + (j & 1);
+        for (int64_t c = 0; c < d; ++c) vt[2 * c] = bf16_bits(vs[c]);
+      }
+    }
+  } else {
+    kv.kf.assign(tiles * d * KB, 0.f);
+    kv.vf_.resize(tiles * KB * d);
+    for (int64_t j = 0; j < n; ++j) {
+      const scalar_t* ks = k.row(start + kc0 + j, kvh);
+      const scalar_t* vs = v.row(start + kc0 + j, kvh);
+      float* kt = kv.kf.data() + (j / KB) * d * KB + j % KB;
+      for (int64_t c = 0; c < d; ++c) kt[c * KB] = static_cast<float>(ks[c]);
+      float* vt = kv.vf_.data() + j * d;
+      for (int64_t c = 0; c < d; ++c) vt[c] = static_cast<float>(vs[c]);
+    }
+  }
+}
+
+// One query block (rows q0 .. q0+QB-1 of a sequence, one head) against the task's converted keys kv (from kc0).
+template <typename scalar_t, int64_t D, bool DP>
+void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Packed<scalar_t>& out, const KV& kv,
+                  int64_t start, int64_t len, int64_t q0, int64_t head, int64_t kc0, int64_t kc1) {
   constexpr bool VEC = D > 0 && D % VW == 0;
   constexpr int64_t DB = D > 0 ? D : MAX_D;
   const int64_t d = D > 0 ? D : pb.d;
-  const int64_t kvh = head / (pb.hq / pb.hk);
   const int64_t rows = std::min(QB, len - q0);
   const int64_t rows_padded = (rows + RG - 1) / RG * RG;
   alignas(64) float qf[QB][DB];
   alignas(64) float acc[QB][DB];
-  alignas(64) float kt[DB][KB];
-  alignas(64) float vt[KB][DB];
   alignas(64) float s[QB][KB];
-  alignas(64) float kbias[KB];
-  float m[QB], l[QB], alpha[QB];
+  alignas(64) uint32_t q2[DP ? QB : 1][DP ? DB / 2 : 1];
+  alignas(64) uint32_t p2[DP ? QB : 1][KB / 2];
+  alignas(64) float m[QB], mnew[QB], alpha[QB];
+  vf lv[QB];  // each row's sum of weights, 16 lanes
+  bool live[QB];
+  std::fill(m, m + QB, NEG_INF);
+  std::fill(mnew, mnew + QB, NEG_INF);
   for (int64_t r = 0; r < rows_padded; ++r) {
-    if (r < rows) {
-      const scalar_t* src = q.row(start + q0 + r, head);
-      for (int64_t c = 0; c < d; ++c) qf[r][c] = static_cast<float>(src[c]) * pb.scale;
+    const scalar_t* src = r < rows ? q.row(start + q0 + r, head) : nullptr;
+    if constexpr (DP) {
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        for (int64_t c = 0; c < d / 2; ++c)
+          q2[r][c] = src ? reinterpret_cast<const uint32_t*>(src)[c] : 0u;
+      }
     } else {
-      for (int64_t c = 0; c < d; ++c) qf[r][c] = 0.f;
+      for (int64_t c = 0; c < d; ++c) qf[r][c] = src ? static_cast<float>(src[c]) * pb.scale : 0.f;
     }
     for (int64_t c = 0; c < d; ++c) acc[r][c] = 0.f;
-    m[r] = NEG_INF;
-    l[r] = 0.f;
+    lv[r] = vf{};
   }
-  // keys any row of this block may reach
+  // keys any row of this block may reach, then the tiles that hold them
   const int64_t last = q0 + rows - 1;
   const int64_t k_begin = std::max<int64_t>(0, q0 - pb.left);
   int64_t k_end = std::min(len, last + std::min(pb.right, len) + 1);
   if (pb.causal) k_end = std::min(k_end, last + 1);
-  for (int64_t kb = k_begin; kb < k_end; kb += KB) {
-    const int64_t nk = std::min(KB, k_end - kb);
-    for (int64_t j = 0; j < nk; ++j) {
-      const scalar_t* ks = k.row(start + kb + j, kvh);
-      const scalar_t* vs = v.row(start + kb + j, kvh);
-      for (int64_t c = 0; c < d; ++c) kt[c][j] = static_cast<float>(ks[c]);
-      for (int64_t c = 0; c < d; ++c) vt[j][c] = static_cast<float>(vs[c]);
-      kbias[j] = (pb.key_mask == nullptr || pb.key_mask[start + kb + j]) ? 0.f : NEG_INF;
-    }
-    for (int64_t j = nk; j < KB; ++j) {
-      for (int64_t c = 0; c < d; ++c) kt[c][j] = 0.f;
-      kbias[j] = NEG_INF;
-    }
-    if constexpr (VEC) {
+  const int64_t t_begin = std::max<int64_t>(0, k_begin - kc0) / KB;
+  const int64_t t_end = (std::min(k_end, kc1) - kc0 + KB - 1) / KB;
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const int64_t kb = kc0 + t * KB;
+    const int64_t nk = std::min(KB, kc1 - kb);
+    const float* kbias = kv.bias.data() + t * KB;
+    if constexpr (DP) {
+#ifdef __AVX512BF16__
+      const uint32_t* kt = kv.k2.data() + t * (D / 2) * KB;
+      for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) scores_bf16<D>(q2, kt, s, r0, pb.scale);
+#endif
+    } else if constexpr (VEC) {
+      const float* kt = kv.kf.data() + t * D * KB;
       for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) scores<D>(qf, kt, s, r0);
     } else {
+      const float* kt = kv.kf.data() + t * d * KB;
       for (int64_t r = 0; r < rows_padded; ++r) {
         for (int64_t j = 0; j < KB; ++j) s[r][j] = 0.f;
         for (int64_t c = 0; c < d; ++c) {
           const float qc = qf[r][c];
-          for (int64_t j = 0; j < KB; ++j) s[r][j] += qc * kt[c][j];
+          for (int64_t j = 0; j < KB; ++j) s[r][j] += qc * kt[c * KB + j];
         }
       }
     }
+    // pass 1: mask the keys each row may not attend (only in tiles that need it); the rows' new running maxima
+    const bool clean = !kv.masked[t];
     for (int64_t r = 0; r < rows_padded; ++r) {
       float* sr = s[r];
       const int64_t i = q0 + r;
@@ -174,73 +323,127 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
       const int64_t lo = std::max<int64_t>(i - pb.left, kb) - kb;
       const int64_t reach = pb.causal ? i : i + std::min(pb.right, len);
       const int64_t hi = r >= rows ? 0 : std::min<int64_t>(reach, kb + nk - 1) - kb + 1;
-      float mx = m[r];
-      if (hi > lo) {
+      live[r] = hi > lo;
+      mnew[r] = m[r];
+      if (!live[r]) continue;
+      if (!clean || lo > 0 || hi < KB) {
         for (int64_t j = 0; j < KB; ++j) sr[j] += kbias[j];
         for (int64_t j = 0; j < lo; ++j) sr[j] = NEG_INF;
         for (int64_t j = hi; j < KB; ++j) sr[j] = NEG_INF;
-        vf mv = vload(sr);
-        for (int64_t x = 1; x < KB / VW; ++x) { const vf t = vload(sr + x * VW); mv = mv > t ? mv : t; }
-        mx = std::max(mx, vmax(mv));
       }
-      if (mx == NEG_INF || hi <= lo) {  // no key for this row in this tile (or yet): it keeps its state
-        for (int64_t j = 0; j < KB; ++j) sr[j] = 0.f;
-        alpha[r] = 1.f;
-        continue;
-      }
-      alpha[r] = std::exp(m[r] - mx);  // exp(-inf) = 0 on the row's first live tile
-      vf sv = {};
-      for (int64_t x = 0; x < KB / VW; ++x) {
-        const vf e = vexp(vload(sr + x * VW) - mx);
-        vstore(sr + x * VW, e);
-        sv += e;
-      }
-      const float sum = vsum(sv);
-      l[r] = l[r] * alpha[r] + sum;
-      m[r] = mx;
+      vf mv = vload(sr);
+      for (int64_t x = 1; x < KB / VW; ++x) { const vf u = vload(sr + x * VW); mv = mv > u ? mv : u; }
+      mnew[r] = std::max(m[r], vmax(mv));
     }
-    if constexpr (VEC) {
+    // how much each row's output and sum shrink, 16 rows at a time: e^(old max - new max); 1 while a row has none
+    for (int64_t r = 0; r < QB; r += VW) {
+      const vf mn = vload(mnew + r);
+      vstore(alpha + r, mn == NEG_INF ? vf{} + 1.f : vexp(vload(m + r) - mn));
+    }
+    // pass 2: the weights e^(s - max) (zeros for a row with no key here), added to the row's sum
+    for (int64_t r = 0; r < rows_padded; ++r) {
+      float* sr = s[r];
+      if (!live[r] || mnew[r] == NEG_INF) {  // no key for this row in this tile (or yet): it keeps its state
+        for (int64_t j = 0; j < KB; ++j) sr[j] = 0.f;
+      } else {
+        vf sv = {};
+        for (int64_t x = 0; x < KB / VW; ++x) {
+          const vf e = vexp(vload(sr + x * VW) - mnew[r]);
+          vstore(sr + x * VW, e);
+          sv += e;
+        }
+        lv[r] = lv[r] * alpha[r] + sv;
+        m[r] = mnew[r];
+      }
+#ifdef __AVX512BF16__
+      if constexpr (DP) to_bf16_pairs(sr, p2[r], KB);
+#endif
+    }
+    if constexpr (DP) {
+#ifdef __AVX512BF16__
+      const uint32_t* vt = kv.v2.data() + t * (KB / 2) * D;
+      for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) accumulate_bf16<D>(acc, vt, p2, alpha, r0, (nk + 1) / 2);
+#endif
+    } else if constexpr (VEC) {
+      const float* vt = kv.vf_.data() + t * KB * D;
       for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) accumulate<D>(acc, vt, s, alpha, r0, nk);
     } else {
+      const float* vt = kv.vf_.data() + t * KB * d;
       for (int64_t r = 0; r < rows; ++r) {
         float* o = acc[r];
         for (int64_t c = 0; c < d; ++c) o[c] *= alpha[r];
         for (int64_t j = 0; j < nk; ++j) {
           const float p = s[r][j];
-          for (int64_t c = 0; c < d; ++c) o[c] += p * vt[j][c];
+          for (int64_t c = 0; c < d; ++c) o[c] += p * vt[j * d + c];
         }
       }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
     scalar_t* dst = out.row(start + q0 + r, head);
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    const float l = vsum(lv[r]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
     for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<scalar_t>(acc[r][c] * inv);
   }
 }
 
-template <typename scalar_t, int64_t D>
-void run(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-         int64_t nseq) {
-  std::vector<int64_t> seq_of, q0_of;  // the (sequence, query block) of each task, before the head split
+// the keys [kc0, kc1) that query rows [r0, r1) of a sequence of length len may reach
+inline std::pair<int64_t, int64_t> key_range(const Problem& pb, int64_t len, int64_t r0, int64_t r1) {
+  const int64_t kc0 = std::max<int64_t>(0, r0 - pb.left);
+  int64_t kc1 = std::min(len, r1 - 1 + std::min(pb.right, len) + 1);
+  if (pb.causal) kc1 = std::min(kc1, r1);
+  return {kc0, std::max(kc0, kc1)};
+}
+
+// (sequence, head, run of query blocks) tasks, longest first: a (sequence, head) is cut into runs only as far as
+// needed for no task to exceed 1/4 of a thread's share of the work
+std::vector<Task> plan(const Problem& pb, int64_t nseq, int64_t threads) {
+  std::vector<int64_t> cost(nseq);
+  int64_t total = 0;
   for (int64_t sidx = 0; sidx < nseq; ++sidx) {
     const int64_t len = pb.cu[sidx + 1] - pb.cu[sidx];
-    for (int64_t q0 = 0; q0 < len; q0 += QB) {
-      seq_of.push_back(sidx);
-      q0_of.push_back(q0);
-    }
+    const auto [k0, k1] = key_range(pb, len, 0, len);
+    cost[sidx] = len * std::max<int64_t>(1, std::min(k1 - k0, pb.causal ? len / 2 + 1 : len));
+    total += cost[sidx] * pb.hq;
   }
+  const int64_t cap = threads > 1 ? std::max<int64_t>(1, total / (4 * threads)) : std::numeric_limits<int64_t>::max();
+  std::vector<Task> tasks;
+  for (int64_t sidx = 0; sidx < nseq; ++sidx) {
+    const int64_t len = pb.cu[sidx + 1] - pb.cu[sidx];
+    const int64_t blocks = (len + QB - 1) / QB;
+    if (blocks == 0) continue;
+    const int64_t runs = std::clamp<int64_t>(cost[sidx] / cap + (cost[sidx] % cap != 0), 1, blocks);
+    for (int64_t h = 0; h < pb.hq; ++h)
+      for (int64_t r = 0; r < runs; ++r) {
+        const int64_t b0 = blocks * r / runs, b1 = blocks * (r + 1) / runs;
+        tasks.push_back({sidx, h, b0, b1, cost[sidx] * (b1 - b0) / blocks});
+      }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  return tasks;
+}
+
+template <typename scalar_t, int64_t D, bool DP>
+void run(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+         int64_t nseq) {
+  const int64_t threads = at::get_num_threads();
+  const std::vector<Task> tasks = plan(pb, nseq, threads);
   const Packed<const scalar_t> qp{q.data_ptr<scalar_t>(), q.stride(0), q.stride(1)};
   const Packed<const scalar_t> kp{k.data_ptr<scalar_t>(), k.stride(0), k.stride(1)};
   const Packed<const scalar_t> vp{v.data_ptr<scalar_t>(), v.stride(0), v.stride(1)};
   const Packed<scalar_t> op{out.data_ptr<scalar_t>(), out.stride(0), out.stride(1)};
-  const int64_t blocks = static_cast<int64_t>(seq_of.size());
-  at::parallel_for(0, blocks * pb.hq, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / pb.hq, head = t % pb.hq;
-      const int64_t sidx = seq_of[b];
-      const int64_t start = pb.cu[sidx];
-      attend_block<scalar_t, D>(pb, qp, kp, vp, op, start, pb.cu[sidx + 1] - start, q0_of[b], head);
+  const int64_t ntasks = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> next{0};
+  // one worker per thread, each taking the next task from the shared counter until none is left
+  at::parallel_for(0, std::min(threads, ntasks), 1, [&](int64_t, int64_t) {
+    thread_local KV kv;
+    for (int64_t t = next.fetch_add(1); t < ntasks; t = next.fetch_add(1)) {
+      const Task& task = tasks[t];
+      const int64_t start = pb.cu[task.seq], len = pb.cu[task.seq + 1] - start;
+      const auto [kc0, kc1] = key_range(pb, len, task.b0 * QB, std::min(len, task.b1 * QB));
+      load_kv<scalar_t, D, DP>(pb, kp, vp, start, task.head / (pb.hq / pb.hk), kc0, kc1, kv);
+      for (int64_t b = task.b0; b < task.b1; ++b)
+        attend_block<scalar_t, D, DP>(pb, qp, op, kv, start, len, b * QB, task.head, kc0, kc1);
     }
   });
 }
@@ -248,11 +451,12 @@ void run(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::
 template <typename scalar_t>
 void dispatch_dim(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                   int64_t nseq) {
+  constexpr bool DP = HAS_DPBF16 && std::is_same_v<scalar_t, c10::BFloat16>;
   switch (pb.d) {
-    case 32: return run<scalar_t, 32>(pb, q, k, v, out, nseq);
-    case 64: return run<scalar_t, 64>(pb, q, k, v, out, nseq);
-    case 128: return run<scalar_t, 128>(pb, q, k, v, out, nseq);
-    default: return run<scalar_t, 0>(pb, q, k, v, out, nseq);
+    case 32: return run<scalar_t, 32, DP>(pb, q, k, v, out, nseq);
+    case 64: return run<scalar_t, 64, DP>(pb, q, k, v, out, nseq);
+    case 128: return run<scalar_t, 128, DP>(pb, q, k, v, out, nseq);
+    default: return run<scalar_t, 0, false>(pb, q, k, v, out, nseq);
   }
 }
 
@@ -294,6 +498,10 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// whether bf16 inputs take the vdpbf16ps path in this build (AVX512-BF16 targeted at compile time)
+bool bf16_dot_products() { return HAS_DPBF16; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("varlen_attention", &varlen_attention, "packed varlen attention (CPU, float32 / bfloat16)");
+  m.def("bf16_dot_products", &bf16_dot_products, "whether bf16 inputs take the AVX512-BF16 dot-product path");
 }
