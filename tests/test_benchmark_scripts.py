@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,22 +34,71 @@ def test_throughput_runs_with_a_variant() -> None:
 
 def test_peers_runs_offline_and_serving_with_the_isa_cap() -> None:
     """`benchmarks/peers.py` (issue 27's comparison) end to end with the peers this venv has: WDE and
-    sentence-transformers offline, WDE serving, every engine capped to AVX2; the vLLM and OpenVINO engines need
-    their own venvs (docs/benchmarks.md) and are not run here."""
+    sentence-transformers offline, WDE serving, every engine capped to AVX2; the vLLM, OpenVINO and ONNX Runtime
+    engines need their own venvs (docs/benchmarks.md) and are not run here."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--engines", "wde,st", "--dtype", "float32",
-         "--rounds", "1", "--short", "24", "--long", "6", "--serve", "--clients", "4", "--requests", "40",
-         "--isa", "avx2"],
+         "--rounds", "1", "--short", "24", "--long", "6", "--corpus", "100", "--serve", "--clients", "4",
+         "--requests", "40", "--isa", "avx2"],
         capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     text = out.stdout
     assert "engines capped to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2" in text, text
-    assert re.search(r"workload: 24 short texts \(\d+ tokens\), 6 long \(\d+ tokens\)", text), text
-    rows = dict(re.findall(r"^(wde|st) +[\d,]+ \(.*\) +[\d,]+ \(.*\) +(\S+)  \S+$", text, re.MULTILINE))
+    assert re.search(r"workload: 24 short texts \(\d+ tokens\), 6 long \(\d+ tokens\); fidelity also on 100 corpus"
+                     r" texts and 100 queries", text), text
+    rows = {name: (float(low), float(top)) for name, low, top in re.findall(
+        r"^(wde|st) +fp32 +[\d,]+ \(.*\) +[\d,]+ \(.*\) +(\S+)  \S+  (\S+)$", text, re.MULTILINE)}
     assert set(rows) == {"wde", "st"}, text
-    assert float(rows["wde"]) >= 0.9999 and float(rows["st"]) >= 0.9999  # min cosine to sentence-transformers fp32
+    assert rows["wde"][0] >= 0.9999 and rows["st"][0] >= 0.9999  # min cosine to sentence-transformers fp32
+    assert rows["wde"][1] >= 0.99 and rows["st"][1] == 1.0  # top-10 overlap with its retrieval
     assert re.search(r"^wde +[\d.]+ req/s  p50 +[\d.]+ ms  p99 +[\d.]+ ms  errors 0", text, re.MULTILINE), text
-    assert re.search(r"^WDE / st: offline short [\d.]+x, long [\d.]+x$", text, re.MULTILINE), text
+    assert re.search(r"^wde / st: offline short [\d.]+x \(wde / st\), long [\d.]+x \(wde / st\)$", text,
+                     re.MULTILINE), text
+
+
+def test_peers_int8_against_wde_float() -> None:
+    """`peers.py` with WDE int8 beside WDE float32 and sentence-transformers (issue 38; the int8 peers need their
+    own venvs): its fidelity columns, the same-precision and best-of lines, and int8 against WDE's fastest float
+    engine."""
+    from wde.components.models.int8_linear import int8_unsupported
+
+    if int8_unsupported() is not None:
+        pytest.skip(f"no int8 kernels: {int8_unsupported()}")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--engines", "wde-fp32,wde-int8,st", "--dtype",
+         "float32", "--rounds", "1", "--short", "24", "--long", "6", "--corpus", "100"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    text = out.stdout
+    rows = {name: (label, float(low), float(mean), float(top)) for name, label, low, mean, top in re.findall(
+        r"^(\S+) +(fp32|int8) +[\d,]+ \(.*\) +[\d,]+ \(.*\) +(\S+)  (\S+)  (\S+)$", text, re.MULTILINE)}
+    assert set(rows) == {"wde-fp32", "wde-int8", "st"}, text
+    assert rows["wde-int8"][0] == "int8" and rows["wde-fp32"][0] == "fp32", text
+    _, low, mean, top = rows["wde-int8"]
+    assert 0.98 <= low < 1.0 and low <= mean and 0.8 <= top <= 1.0, text  # int8: close to fp32, not identical
+    assert re.search(r"^wde-fp32 / st \(fp32\): offline short [\d.]+x \(wde-fp32 / st\)", text, re.MULTILINE), text
+    assert re.search(r"^WDE best / st: offline short [\d.]+x \(wde-\S+ / st\)", text, re.MULTILINE), text
+    assert re.search(r"^wde-int8 / WDE's fastest float engine: offline short [\d.]+x \(wde-int8 / wde-fp32\),"
+                     r" long [\d.]+x \(wde-int8 / wde-fp32\)$", text, re.MULTILINE), text
+
+
+def test_peers_top10_overlap() -> None:
+    """The retrieval overlap `peers.py` prints: 1 for the reference itself, 0 for rankings turned upside down, and
+    the share of each query's top-10 kept when some corpus vectors are swapped."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from peers import overlap, top_k
+
+    rng = np.random.default_rng(0)
+    ref = {"corpus": rng.normal(size=(200, 16)), "queries": rng.normal(size=(20, 16))}
+    assert overlap(ref, ref) == 1.0
+    assert overlap({"corpus": ref["corpus"], "queries": -ref["queries"]}, ref) == 0.0
+    first = top_k(ref["queries"][:1], ref["corpus"], 10)[0]
+    outside = [i for i in range(200) if i not in set(top_k(ref["queries"][:1], ref["corpus"], 100)[0])][:3]
+    corpus = ref["corpus"].copy()
+    corpus[first[:3]], corpus[outside] = ref["corpus"][outside], ref["corpus"][first[:3]]
+    moved = overlap({"corpus": corpus, "queries": ref["queries"][:1]}, {"corpus": ref["corpus"],
+                                                                       "queries": ref["queries"][:1]})
+    assert moved == 0.7
 
 
 def test_multi_vector_runs_and_agrees() -> None:
