@@ -156,11 +156,12 @@ def post_op_for(act: nn.Module) -> tuple[str, str] | None:
     return _POST_OPS.get(type(act))
 
 
-def _dense_act_pair(module: nn.Module) -> tuple[str, tuple[str, str]] | None:
-    """(activation attribute, post-op) when `module` is exactly an `nn.Linear` called `dense` and one fusible
-    activation (BERT's intermediate block), else None."""
+def dense_act_pair(module: nn.Module, linears: tuple[type[nn.Module], ...] = _LINEARS,
+                   ) -> tuple[str, tuple[str, str]] | None:
+    """(activation attribute, post-op) when `module` is exactly a linear layer (of a type in `linears`) called
+    `dense` and one fusible activation (BERT's intermediate block), else None."""
     children = dict(module.named_children())
-    if len(children) != 2 or type(children.get("dense")) not in _LINEARS:
+    if len(children) != 2 or type(children.get("dense")) not in linears:
         return None
     (act_name, act), = ((n, c) for n, c in children.items() if n != "dense")
     post_op = post_op_for(act)
@@ -170,7 +171,7 @@ def _dense_act_pair(module: nn.Module) -> tuple[str, tuple[str, str]] | None:
 def _fuse_activation(module: nn.Module, rows: int) -> bool:
     """Replace `module.dense` + its activation by one `PackedLinear` with the activation as post-op, if the
     module's own forward then gives what it gave before on a probe input; otherwise leave it unfused."""
-    pair = _dense_act_pair(module)
+    pair = dense_act_pair(module)
     if pair is None:
         return False
     act_name, post_op = pair

@@ -30,7 +30,8 @@ from torch import nn
 
 from wde.components.model_input_builder import ModelInput
 from wde.components.models import int8_linear
-from wde.components.models.int8_linear import block_linears, input_maxima, kind_of, quantize_linears
+from wde.components.models.int8_linear import (block_linears, fusible_activations, input_maxima, kind_of,
+                                               quantize_linears)
 from wde.components.models.cpu_kernels import _host_lock, _read_cache, _write_cache, host_key
 from wde.errors import ModelLoadError
 from wde.request import TextPrompt
@@ -127,7 +128,7 @@ def gate_key(model_path: Path, texts: list[str], thresholds: tuple[float, float]
     h.update("\n".join(texts).encode())
     h.update(repr(int8_linear.SCALE_CORRUPTION).encode())  # the test hook's corrupted scales are another model
     # the thresholds decide which layers stay float, and bf16_pays in which dtype they do
-    h.update(f"{thresholds}|{int8_linear.SMOOTHING_ALPHA}|{int8_linear.bf16_pays()}".encode())
+    h.update(f"{thresholds}|{int8_linear.SMOOTHING_ALPHA}|{int8_linear.bf16_pays()}|{int8_linear.SCHEME}".encode())
     return f"{host_key()}|int8-gate|{Path(model_path).resolve()}|{h.hexdigest()[:16]}"
 
 
@@ -143,6 +144,7 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
     texts = read_calibration(calibration) if calibration else list(PROBE_TEXTS)
     key = gate_key(model_path, texts, (min_cosine, min_mean_cosine))
     originals = block_linears(model)
+    acts = fusible_activations(model, originals)
     kinds = sorted({kind_of(n) for n in originals})
     batch = probe_batch(tokenizer, texts)
     with _host_lock():
@@ -151,11 +153,11 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
         cached = _read_cache().get(key)
         if isinstance(cached, dict) and {"min_cosine", "mean_cosine", "float_kinds"} <= cached.keys():
             keep = frozenset(cached["float_kinds"])
-            quantize_linears(model, originals, rows, maxima, keep)
+            quantize_linears(model, originals, rows, maxima, keep, acts)
             low, mean, source = float(cached["min_cosine"]), float(cached["mean_cosine"]), "cached"
         else:
             def measure(keep: frozenset[str]) -> tuple[float, float]:
-                quantize_linears(model, originals, rows, maxima, keep)
+                quantize_linears(model, originals, rows, maxima, keep, acts)
                 cos = F.cosine_similarity(text_vectors(model, batch, pools), ref, dim=-1)
                 return float(cos.min()), float(cos.mean())
 
@@ -167,7 +169,7 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
                 if tried[best] <= (low, mean):
                     break
                 keep, (low, mean) = keep | {best}, tried[best]
-            quantize_linears(model, originals, rows, maxima, keep)
+            quantize_linears(model, originals, rows, maxima, keep, acts)
             source = f"measured on {len(texts)} texts"
             _write_cache(key, {"min_cosine": low, "mean_cosine": mean, "float_kinds": sorted(keep)})
     dtype = "bfloat16" if int8_linear.bf16_pays() else "float32"

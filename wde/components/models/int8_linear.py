@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import re
 from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from wde.components.models.cpu_linear import cpu_capabilities
+
+log = logging.getLogger("wde.models")
 
 SCALE_CORRUPTION = 1.0
 """Test hook: every weight scale is multiplied by this (1.0: none); a test sets it to prove the fidelity gate
@@ -70,39 +74,93 @@ def int8_unsupported() -> str | None:
     return None
 
 
+SCHEME = "u8-asymmetric-per-token"
+"""What the activations are quantized as; part of the fidelity gate's cache key (a verdict on another scheme is
+not reused)."""
+
+ACTIVATIONS = {("none", ""): 0, ("gelu", "none"): 1, ("gelu", "tanh"): 2, ("relu", ""): 3}
+"""The activations an `Int8Linear` applies in its dequantizing pass (`cpu_linear.post_op_for`'s names), by the
+kernel's code for them."""
+
+
+@functools.cache
+def int8_kernel() -> ModuleType | None:
+    """The compiled elementwise kernels (`kernels/int8_ops.cpp`), built once per host; None (said once) where they
+    cannot be, and `Int8Linear` computes the same in PyTorch ops."""
+    from wde.kernels.cpp_build import build
+
+    module, why = build("int8_ops.cpp", "wde_int8_ops")
+    if module is None:
+        log.warning("int8: elementwise kernel not built (%s); quantization runs in PyTorch ops, slower", why)
+    return module
+
+
+def quantize_rows(x: torch.Tensor, factor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`x * factor` quantized per row, asymmetric: (u8 values, scale, zero point) with `x * factor ~= scale * (q -
+    zero)`; the row's range (always holding 0) maps onto 0..255."""
+    kernel = int8_kernel()
+    if kernel is not None and x.dtype in (torch.float32, torch.bfloat16):
+        return kernel.quantize_rows(x.contiguous(), factor)
+    x = x.float() if factor is None else x.float() * factor
+    lo, hi = x.amin(1).clamp_max(0), x.amax(1).clamp_min(0)
+    scale = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(hi))
+    zero = torch.round(-lo / scale).clamp_(0, 255)
+    q = torch.round(x / scale[:, None]).add_(zero[:, None]).clamp_(0, 255).to(torch.uint8)
+    return q, scale, zero
+
+
+def dequantize_rows_(y: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, colsum: torch.Tensor,
+                     bias: torch.Tensor | None, act: int) -> torch.Tensor:
+    """In place: `y = scale * (y - zero * colsum) + bias` row by row, then activation `act` (`ACTIVATIONS`)."""
+    kernel = int8_kernel()
+    if kernel is not None:
+        return kernel.dequantize_rows_(y, scale, zero, colsum, bias, act)
+    y = y.sub_(zero[:, None] * colsum).mul_(scale[:, None])
+    if bias is not None:
+        y = y.add_(bias)
+    if act == 1:
+        return torch.nn.functional.gelu(y)
+    if act == 2:
+        return torch.nn.functional.gelu(y, approximate="tanh")
+    return torch.relu_(y) if act == 3 else y
+
+
 class Int8Linear(nn.Module):
-    """`nn.Linear`'s function with an int8 weight (per output channel) prepacked for oneDNN, activations quantized
-    per token at each call; input of any float dtype, output float32. Inference only."""
+    """`nn.Linear`'s function (then, with `post_op`, an activation) with an int8 weight (per output channel)
+    prepacked for oneDNN and activations quantized per token at each call; input float32 or bfloat16, output
+    float32. Inference only.
+
+    Per call: one pass quantizes the input rows to u8 (`quantize_rows`, SmoothQuant's factor folded in), oneDNN's u8
+    x s8 GEMM applies the weight scales (zero point 0: its fast path), one pass in place applies each row's scale and
+    zero point, the bias and the activation (`dequantize_rows_`). Asymmetric rows use all 256 levels where a row's
+    values are one-sided (GELU's outputs), where symmetric ones would waste half."""
 
     def __init__(self, linear: nn.Linear, rows: int, smooth: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
-        self.smooth = None if smooth is None else (1 / smooth).float()
+        self.smooth = None if smooth is None else (1 / smooth).float().contiguous()
         if smooth is not None:
             weight = weight * smooth
         qweight, scale = quantize_weight(weight)
         self.w_scale = scale * SCALE_CORRUPTION
+        self.colsum = (qweight.sum(1, dtype=torch.int32).float() * self.w_scale).contiguous()
         self.w_zero = torch.zeros(self.out_features, dtype=torch.int64)
         self.packed = torch.ops.onednn.qlinear_prepack(qweight, [rows, self.in_features])
-        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.post_op: tuple[str, str] = ("none", "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x = x.reshape(-1, self.in_features).float()
-        if self.smooth is not None:
-            x = x * self.smooth
-        scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127)
-        qx = torch.round(x / scale).add_(128).to(torch.uint8)  # |x/scale| <= 127: u8 with zero point 128
-        y = torch.ops.onednn.qlinear_pointwise(qx, 1.0, 128, self.packed, self.w_scale, self.w_zero, None, 1.0, 0,
+        q, scale, zero = quantize_rows(x.reshape(-1, self.in_features), self.smooth)
+        y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, self.packed, self.w_scale, self.w_zero, None, 1.0, 0,
                                                torch.float32, "none", [], "")
-        y = y.mul_(scale)
-        if self.bias is not None:
-            y = y.add_(self.bias)
+        y = dequantize_rows_(y, scale, zero, self.colsum, self.bias, ACTIVATIONS[self.post_op])
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 onednn"
+        fused = "" if self.post_op[0] == "none" else f", fused {'/'.join(p for p in self.post_op if p)}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 onednn{fused}"
 
 
 SMOOTHING_ALPHA = 0.5
@@ -185,15 +243,44 @@ def bf16_pays() -> bool:
     return resolve_cpu_linear("auto", torch.device("cpu"), torch.bfloat16) == "onednn"
 
 
+Activation = tuple[str, nn.Module, tuple[str, str]]
+"""A fusible activation after a block linear layer: (its attribute on the parent, the module, the post-op)."""
+
+
+def fusible_activations(model: nn.Module, originals: dict[str, nn.Linear]) -> dict[str, Activation]:
+    """By the qualified name of the linear layer (among `originals`) it follows: each activation an `Int8Linear`
+    can apply in its dequantizing pass, where a module is exactly a linear `dense` and one activation (BERT's
+    intermediate block, as `cpu_linear` fuses oneDNN post-ops). Found on the float model, before quantizing."""
+    from wde.components.models.cpu_linear import dense_act_pair
+
+    found: dict[str, Activation] = {}
+    for name, module in model.named_modules():
+        pair = dense_act_pair(module, (nn.Linear,))
+        dense = f"{name}.dense" if name else "dense"
+        if pair is not None and dense in originals and pair[1] in ACTIVATIONS:
+            found[dense] = (pair[0], getattr(module, pair[0]), pair[1])
+    return found
+
+
 def quantize_linears(model: nn.Module, originals: dict[str, nn.Linear], rows: int,
-                     maxima: dict[str, torch.Tensor], keep_float: frozenset[str] = frozenset()) -> int:
+                     maxima: dict[str, torch.Tensor], keep_float: frozenset[str] = frozenset(),
+                     activations: dict[str, Activation] | None = None) -> int:
     """Put an `Int8Linear` of each of `originals` (smoothed by its input `maxima`) in `model`, except for the kinds
     in `keep_float`, which get a `Bf16Linear` where bfloat16 is native (`bf16_pays`), else their float32 layer
-    back; returns how many are int8."""
+    back; an int8 layer followed by one of `activations` (`fusible_activations`) applies it itself, its module
+    replaced by `nn.Identity` (and put back when the layer is float). Returns how many are int8."""
     bf16 = bf16_pays()
     chosen: dict[str, nn.Module] = {
         n: (Bf16Linear(m, rows) if bf16 else m) if kind_of(n) in keep_float
         else Int8Linear(m, rows, smoothing(m, maxima.get(n)))
         for n, m in originals.items()}
     set_linears(model, chosen)
+    for name, (attr, act, post_op) in (activations or {}).items():
+        layer = chosen[name]
+        parent = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(layer, Int8Linear):
+            layer.post_op = post_op
+            setattr(parent, attr, nn.Identity())
+        else:
+            setattr(parent, attr, act)
     return sum(isinstance(m, Int8Linear) for m in chosen.values())

@@ -1,0 +1,71 @@
+"""Building WDE's C++ CPU kernels (`kernels/*.cpp`, installed as `wde/kernels/`) on the host that runs them.
+
+`build(source, what)` compiles one source with `torch.utils.cpp_extension` (gcc and ninja, nothing downloaded) into a
+cache folder (`WDE_KERNEL_CACHE`, default `~/.cache/wde/kernels`), keyed by the source, torch's version, the
+instruction set it targets and the CPU's flags, so each host compiles each kernel once (about 30 s) and later starts
+load it. The instruction set is the host's own (`-march=native`), or AVX2 when `ATEN_CPU_CAPABILITY` caps torch at
+avx2 (plain x86-64 for `default`). Where a kernel cannot be built (no compiler, no headers) it returns None and its
+caller says so in one warning line and takes its pure-PyTorch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from importlib import resources
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"], "default": []}
+
+
+def isa_flags() -> list[str]:
+    """Compiler flags for the instruction set the kernel targets: the host's own, or torch's cap when one is set."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    return _ISA_FLAGS.get(cap, ["-march=native"])
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("WDE_KERNEL_CACHE") or Path.home() / ".cache" / "wde" / "kernels")
+
+
+def build(source: str, prefix: str) -> tuple[ModuleType | None, str]:
+    """(module, "") with `source` (a file of `wde.kernels`) compiled for this host and loaded, or (None, why) where
+    it cannot be built."""
+    src = resources.files("wde.kernels").joinpath(source)
+    text = src.read_bytes()
+    flags = ["-O3", *isa_flags()]
+    key = hashlib.sha256(b"\0".join([text, torch.__version__.encode(), " ".join(flags).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    name = f"{prefix}_{key}"
+    folder = cache_dir() / name
+    try:
+        from torch.utils.cpp_extension import load
+
+        if shutil.which("ninja") is None:  # the ninja wheel (a dependency) when its venv's bin/ is not on PATH
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        folder.mkdir(parents=True, exist_ok=True)
+        with resources.as_file(src) as path:
+            return load(name, [str(path)], extra_cflags=flags, build_directory=str(folder), verbose=False), ""
+    except Exception as exc:  # no compiler, no headers, a failed build: the caller's pure-torch path still serves
+        detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+        return None, f"{type(exc).__name__}: {detail}"

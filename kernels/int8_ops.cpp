@@ -1,0 +1,212 @@
+// The elementwise halves of WDE's int8 linear layer (wde/components/models/int8_linear.py) on CPU, one pass each:
+//
+// quantize_rows: x [rows, k] (float32 or bfloat16), times an optional per-channel factor (SmoothQuant's 1/s), is
+//   quantized per row to u8 with the row's own scale and zero point (asymmetric: the row's min..max onto 0..255), in
+//   one read of x and one write of a byte per value, instead of the eight tensor passes PyTorch ops take.
+// dequantize_rows_: y [rows, m] float32, the output of oneDNN's u8 x s8 GEMM with the weight scales applied
+//   (y = sum_k q[r,k] w[j,k] * wscale[j]), becomes in place
+//       y[r, j] = scale[r] * (y[r, j] - zero[r] * colsum[j]) + bias[j]
+//   (colsum[j] = sum_k w[j,k] * wscale[j]: the zero point's share), then optionally an activation: GELU (erf, or the
+//   tanh approximation) or ReLU, so the activation is fused as oneDNN's post-op is on the float paths.
+//
+// GCC vector types (16 floats: one AVX-512 register, two AVX2 ones) and polynomial exp / erf (~1e-7 absolute),
+// rows split over torch's intra-op threads. Built for the host's instruction set like the attention kernel.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+constexpr int64_t VW = 16;
+
+inline vf vload(const float* p) { vf x; __builtin_memcpy(&x, p, sizeof x); return x; }
+inline vf vload(const c10::BFloat16* p) {  // bf16 -> float: the 16 bits become the float's high half
+  vh h;
+  __builtin_memcpy(&h, p, sizeof h);
+  const vu w = __builtin_convertvector(h, vu) << 16;
+  vf x;
+  __builtin_memcpy(&x, &w, sizeof x);
+  return x;
+}
+inline void vstore(float* p, vf x) { __builtin_memcpy(p, &x, sizeof x); }
+inline vf vmin(vf a, vf b) { return a < b ? a : b; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline vf splat(float v) { return vf{} + v; }
+
+// round half to even for |x| < 2^22 (adding 1.5 * 2^23 rounds in the default mode)
+inline vf vround(vf x) { return (x + 12582912.f) - 12582912.f; }
+inline float sround(float x) { return (x + 12582912.f) - 12582912.f; }
+
+// e^x lane by lane (Cephes' expf: 2^n times a degree-6 polynomial of the remainder; ~1 ulp); 0 below -87
+inline vf vexp(vf x) {
+  const vf dead = x < -87.f ? splat(1.f) : vf{};
+  x = vmax(vmin(x, splat(88.f)), splat(-87.f));
+  const vf n = vround(x * 1.44269504088896341f);
+  x = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * x + 1.3981999507e-3f;
+  p = p * x + 8.3334519073e-3f;
+  p = p * x + 4.1665795894e-2f;
+  p = p * x + 1.6666665459e-1f;
+  p = p * x + 5.0000001201e-1f;
+  p = p * x * x + x + 1.f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  return dead != 0.f ? vf{} : p * scale;
+}
+
+// erf(x): Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7), odd in x
+inline vf verf(vf x) {
+  const vf a = x < 0.f ? -x : x;
+  const vf t = 1.f / (1.f + 0.3275911f * a);
+  vf p = splat(1.061405429f);
+  p = p * t - 1.453152027f;
+  p = p * t + 1.421413741f;
+  p = p * t - 0.284496736f;
+  p = p * t + 0.254829592f;
+  const vf e = 1.f - p * t * vexp(-a * a);
+  return x < 0.f ? -e : e;
+}
+
+enum Act : int64_t { NONE = 0, GELU = 1, GELU_TANH = 2, RELU = 3 };
+
+inline vf activate(vf y, int64_t act) {
+  switch (act) {
+    case GELU: return 0.5f * y * (1.f + verf(y * 0.70710678118654752f));
+    case GELU_TANH: {  // 0.5 y (1 + tanh(u)), tanh(u) = 1 - 2 / (e^{2u} + 1)
+      const vf u = 0.7978845608028654f * (y + 0.044715f * y * y * y);
+      return 0.5f * y * (2.f - 2.f / (vexp(2.f * u) + 1.f));
+    }
+    case RELU: return vmax(y, vf{});
+    default: return y;
+  }
+}
+
+inline float activate1(float y, int64_t act) {
+  vf v = splat(y);
+  return activate(v, act)[0];
+}
+
+template <typename T>
+void quantize_impl(const T* x, const float* f, int64_t rows, int64_t k, uint8_t* q, float* scale, float* zero) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * k;
+      uint8_t* qr = q + r * k;
+      vf lo = splat(INFINITY), hi = splat(-INFINITY);
+      float slo = INFINITY, shi = -INFINITY;
+      int64_t c = 0;
+      for (; c + VW <= k; c += VW) {
+        vf v = vload(xr + c);
+        if (f) v *= vload(f + c);
+        lo = vmin(lo, v);
+        hi = vmax(hi, v);
+      }
+      for (; c < k; ++c) {
+        const float v = static_cast<float>(xr[c]) * (f ? f[c] : 1.f);
+        slo = std::min(slo, v);
+        shi = std::max(shi, v);
+      }
+      for (int64_t i = 0; i < VW; ++i) {
+        slo = std::min(slo, lo[i]);
+        shi = std::max(shi, hi[i]);
+      }
+      // the range always holds 0, so 0 is exact (zero point an integer in 0..255); a row of zeros gets scale 1
+      slo = std::min(slo, 0.f);
+      shi = std::max(shi, 0.f);
+      const float s = shi > slo ? (shi - slo) / 255.f : 1.f;
+      const float z = std::min(255.f, std::max(0.f, sround(-slo / s)));
+      const float inv = 1.f / s;
+      scale[r] = s;
+      zero[r] = z;
+      c = 0;
+      for (; c + VW <= k; c += VW) {
+        vf v = vload(xr + c);
+        if (f) v *= vload(f + c);
+        v = vmin(vmax(vround(v * inv) + z, vf{}), splat(255.f));
+        const vi iv = __builtin_convertvector(v, vi);
+        for (int64_t i = 0; i < VW; ++i) qr[c + i] = static_cast<uint8_t>(iv[i]);
+      }
+      for (; c < k; ++c) {
+        const float v = static_cast<float>(xr[c]) * (f ? f[c] : 1.f);
+        qr[c] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, sround(v * inv) + z)));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [rows, k] float32 / bfloat16, contiguous; factor [k] float32 or None. Returns (q u8 [rows, k], scale [rows],
+// zero [rows]) with x * factor ~= scale * (q - zero) row by row.
+std::vector<at::Tensor> quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>& factor) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "int8_ops: x must be a contiguous 2-d CPU tensor");
+  const int64_t rows = x.size(0), k = x.size(1);
+  const float* f = nullptr;
+  if (factor.has_value()) {
+    TORCH_CHECK(factor->scalar_type() == at::kFloat && factor->is_contiguous() && factor->numel() == k,
+                "int8_ops: factor must be a contiguous float32 [k]");
+    f = factor->data_ptr<float>();
+  }
+  at::Tensor q = at::empty({rows, k}, x.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor zero = at::empty({rows}, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kFloat) {
+    quantize_impl(x.data_ptr<float>(), f, rows, k, q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                  zero.data_ptr<float>());
+  } else if (x.scalar_type() == at::kBFloat16) {
+    quantize_impl(x.data_ptr<c10::BFloat16>(), f, rows, k, q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                  zero.data_ptr<float>());
+  } else {
+    TORCH_CHECK(false, "int8_ops: float32 or bfloat16 input only, got ", x.scalar_type());
+  }
+  return {q, scale, zero};
+}
+
+// In place on y [rows, m] float32 contiguous: y = scale[r] * (y - zero[r] * colsum) + bias, then act
+// (0 none, 1 erf GELU, 2 tanh GELU, 3 ReLU). Returns y.
+at::Tensor dequantize_rows_(at::Tensor& y, const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& colsum,
+                            const c10::optional<at::Tensor>& bias, int64_t act) {
+  TORCH_CHECK(y.device().is_cpu() && y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat,
+              "int8_ops: y must be a contiguous float32 2-d CPU tensor");
+  const int64_t rows = y.size(0), m = y.size(1);
+  TORCH_CHECK(scale.numel() == rows && zero.numel() == rows && colsum.numel() == m, "int8_ops: size mismatch");
+  TORCH_CHECK(act >= NONE && act <= RELU, "int8_ops: unknown activation ", act);
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == m,
+                "int8_ops: bias must be a contiguous float32 [m]");
+    b = bias->data_ptr<float>();
+  }
+  float* yp = y.data_ptr<float>();
+  const float* sp = scale.data_ptr<float>();
+  const float* zp = zero.data_ptr<float>();
+  const float* cs = colsum.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* yr = yp + r * m;
+      const float s = sp[r], z = zp[r];
+      int64_t c = 0;
+      for (; c + VW <= m; c += VW) {
+        vf v = s * (vload(yr + c) - z * vload(cs + c));
+        if (b) v += vload(b + c);
+        vstore(yr + c, activate(v, act));
+      }
+      for (; c < m; ++c) yr[c] = activate1(s * (yr[c] - z * cs[c]) + (b ? b[c] : 0.f), act);
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize_rows", &quantize_rows, "per-row asymmetric u8 quantization (CPU)");
+  m.def("dequantize_rows_", &dequantize_rows_, "per-row dequantization, bias and activation, in place (CPU)");
+}
