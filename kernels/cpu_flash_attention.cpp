@@ -60,7 +60,18 @@ struct Task {  // query blocks [b0, b1) of one sequence and head
 
 typedef float vf __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register, two AVX2 ones
 constexpr int64_t VW = 16;
-constexpr int64_t RG = 4;  // query rows whose scores / outputs are accumulated together in registers
+constexpr int64_t RG = 4;  // query rows whose scores are accumulated together in registers
+#ifdef __AVX512F__
+// query rows whose outputs are accumulated together: 16 accumulator registers (of 32), enough in flight to hide the
+// FMA latency
+template <int64_t D> constexpr int64_t RP = 256 / D;
+// keeps a loaded vector in a register, so that the compiler does not fold its load into every FMA that uses it
+#define IN_REGISTER(x) asm("" : "+v"(x))
+#else
+template <int64_t D> constexpr int64_t RP = 4;
+#define IN_REGISTER(x) (void)0
+#endif
+constexpr int64_t ROW_PAD = 8;  // a block's rows are padded to a multiple of this (of RG and every RP)
 
 inline vf vload(const float* p) { vf x; __builtin_memcpy(&x, p, sizeof x); return x; }
 inline void vstore(float* p, vf x) { __builtin_memcpy(p, &x, sizeof x); }
@@ -127,7 +138,11 @@ inline void scores(const float (*qf)[D], const float* kt, float (*s)[KB], int64_
   vf acc[RG][KB / VW] = {};
   for (int64_t c = 0; c < D; ++c) {
     vf kc[KB / VW];
-    for (int64_t x = 0; x < KB / VW; ++x) kc[x] = vload(kt + c * KB + x * VW);
+    for (int64_t x = 0; x < KB / VW; ++x) {
+      vf t = vload(kt + c * KB + x * VW);
+      IN_REGISTER(t);
+      kc[x] = t;
+    }
     for (int64_t r = 0; r < RG; ++r) {
       const float qv = qf[r0 + r][c];
       for (int64_t x = 0; x < KB / VW; ++x) acc[r][x] += qv * kc[x];
@@ -137,22 +152,26 @@ inline void scores(const float (*qf)[D], const float* kt, float (*s)[KB], int64_
     for (int64_t x = 0; x < KB / VW; ++x) vstore(&s[r0 + r][x * VW], acc[r][x]);
 }
 
-// acc[r] = acc[r] * alpha[r] + s[r][0:nk] . vt[0:nk] for rows r0 .. r0+RG-1
+// acc[r] = acc[r] * alpha[r] + s[r][0:nk] . vt[0:nk] for rows r0 .. r0+RP-1
 template <int64_t D>
 inline void accumulate(float (*acc)[D], const float* vt, const float (*s)[KB], const float* alpha, int64_t r0,
                        int64_t nk) {
-  vf o[RG][D / VW];
-  for (int64_t r = 0; r < RG; ++r)
+  vf o[RP<D>][D / VW];
+  for (int64_t r = 0; r < RP<D>; ++r)
     for (int64_t x = 0; x < D / VW; ++x) o[r][x] = vload(&acc[r0 + r][x * VW]) * alpha[r0 + r];
   for (int64_t j = 0; j < nk; ++j) {
     vf vj[D / VW];
-    for (int64_t x = 0; x < D / VW; ++x) vj[x] = vload(vt + j * D + x * VW);
-    for (int64_t r = 0; r < RG; ++r) {
+    for (int64_t x = 0; x < D / VW; ++x) {
+      vf t = vload(vt + j * D + x * VW);
+      IN_REGISTER(t);
+      vj[x] = t;
+    }
+    for (int64_t r = 0; r < RP<D>; ++r) {
       const float p = s[r0 + r][j];
       for (int64_t x = 0; x < D / VW; ++x) o[r][x] += p * vj[x];
     }
   }
-  for (int64_t r = 0; r < RG; ++r)
+  for (int64_t r = 0; r < RP<D>; ++r)
     for (int64_t x = 0; x < D / VW; ++x) vstore(&acc[r0 + r][x * VW], o[r][x]);
 }
 
@@ -167,7 +186,11 @@ inline void scores_bf16(const uint32_t (*q2)[D / 2], const uint32_t* kt, float (
     for (int64_t x = 0; x < KB / VW; ++x) acc[r][x] = _mm512_setzero_ps();
   for (int64_t c = 0; c < D / 2; ++c) {
     __m512i kc[KB / VW];
-    for (int64_t x = 0; x < KB / VW; ++x) kc[x] = _mm512_loadu_si512(kt + c * KB + x * VW);
+    for (int64_t x = 0; x < KB / VW; ++x) {
+      __m512i t = _mm512_loadu_si512(kt + c * KB + x * VW);
+      IN_REGISTER(t);
+      kc[x] = t;
+    }
     for (int64_t r = 0; r < RG; ++r) {
       const __m512bh qv = as_bh(_mm512_set1_epi32(static_cast<int>(q2[r0 + r][c])));
       for (int64_t x = 0; x < KB / VW; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], qv, as_bh(kc[x]));
@@ -178,23 +201,27 @@ inline void scores_bf16(const uint32_t (*q2)[D / 2], const uint32_t* kt, float (
     for (int64_t x = 0; x < KB / VW; ++x) _mm512_storeu_ps(&s[r0 + r][x * VW], _mm512_mul_ps(acc[r][x], sc));
 }
 
-// acc[r] = acc[r] * alpha[r] + p2[r][0:np] . v2[0:np] for rows r0 .. r0+RG-1; p2 / v2 are pairs of bf16 along keys
+// acc[r] = acc[r] * alpha[r] + p2[r][0:np] . v2[0:np] for rows r0 .. r0+RP-1; p2 / v2 are pairs of bf16 along keys
 template <int64_t D>
 inline void accumulate_bf16(float (*acc)[D], const uint32_t* vt, const uint32_t (*p2)[KB / 2], const float* alpha,
                             int64_t r0, int64_t np) {
-  __m512 o[RG][D / VW];
-  for (int64_t r = 0; r < RG; ++r)
+  __m512 o[RP<D>][D / VW];
+  for (int64_t r = 0; r < RP<D>; ++r)
     for (int64_t x = 0; x < D / VW; ++x)
       o[r][x] = _mm512_mul_ps(_mm512_loadu_ps(&acc[r0 + r][x * VW]), _mm512_set1_ps(alpha[r0 + r]));
   for (int64_t j = 0; j < np; ++j) {  // v2 row j: D pairs (keys 2j, 2j+1), D / VW registers of 16 pairs
     __m512i vj[D / VW];
-    for (int64_t x = 0; x < D / VW; ++x) vj[x] = _mm512_loadu_si512(vt + j * D + x * VW);
-    for (int64_t r = 0; r < RG; ++r) {
+    for (int64_t x = 0; x < D / VW; ++x) {
+      __m512i t = _mm512_loadu_si512(vt + j * D + x * VW);
+      IN_REGISTER(t);
+      vj[x] = t;
+    }
+    for (int64_t r = 0; r < RP<D>; ++r) {
       const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int>(p2[r0 + r][j])));
       for (int64_t x = 0; x < D / VW; ++x) o[r][x] = _mm512_dpbf16_ps(o[r][x], p, as_bh(vj[x]));
     }
   }
-  for (int64_t r = 0; r < RG; ++r)
+  for (int64_t r = 0; r < RP<D>; ++r)
     for (int64_t x = 0; x < D / VW; ++x) _mm512_storeu_ps(&acc[r0 + r][x * VW], o[r][x]);
 }
 
@@ -261,7 +288,7 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
   constexpr int64_t DB = D > 0 ? D : MAX_D;
   const int64_t d = D > 0 ? D : pb.d;
   const int64_t rows = std::min(QB, len - q0);
-  const int64_t rows_padded = (rows + RG - 1) / RG * RG;
+  const int64_t rows_padded = (rows + ROW_PAD - 1) / ROW_PAD * ROW_PAD;
   alignas(64) float qf[QB][DB];
   alignas(64) float acc[QB][DB];
   alignas(64) float s[QB][KB];
@@ -362,11 +389,11 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
     if constexpr (DP) {
 #ifdef __AVX512BF16__
       const uint32_t* vt = kv.v2.data() + t * (KB / 2) * D;
-      for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) accumulate_bf16<D>(acc, vt, p2, alpha, r0, (nk + 1) / 2);
+      for (int64_t r0 = 0; r0 < rows_padded; r0 += RP<D>) accumulate_bf16<D>(acc, vt, p2, alpha, r0, (nk + 1) / 2);
 #endif
     } else if constexpr (VEC) {
       const float* vt = kv.vf_.data() + t * KB * D;
-      for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) accumulate<D>(acc, vt, s, alpha, r0, nk);
+      for (int64_t r0 = 0; r0 < rows_padded; r0 += RP<D>) accumulate<D>(acc, vt, s, alpha, r0, nk);
     } else {
       const float* vt = kv.vf_.data() + t * KB * d;
       for (int64_t r = 0; r < rows; ++r) {
