@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 from tests.tiny_heads import build_minilm_classifier
 from tests.tiny_models import build_xlmr, varied_texts
@@ -266,3 +268,60 @@ def test_split_server_serves_int8(minilm_path: Path, tmp_path: Path) -> None:
     assert "int8 fidelity gate passed" in log.read_text()
     with Engine.from_workflow("bert", minilm_path, quantization="int8") as e8:
         np.testing.assert_allclose(served, np.asarray(e8.embed(texts)), atol=1e-5)
+
+
+def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(int8_linear, "int8_kernel", lambda: None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [384, 100])  # a multiple of the kernel's 16 lanes, and one with a tail
+def test_quantize_rows_kernel_equals_the_torch_path(dtype: torch.dtype, width: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    if int8_linear.int8_kernel() is None:
+        pytest.skip("the int8 elementwise kernel cannot be built here")
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(257, width, generator=g) * torch.linspace(0.1, 8, width)).to(dtype)
+    x[3] = 0  # a row of zeros: scale 1, zero point 0
+    x[4] = x[4].abs()  # one-sided rows use every level
+    x[5] = -x[5].abs()
+    factor = torch.rand(width, generator=g) + 0.5
+    q, scale, zero = int8_linear.quantize_rows(x, factor)
+    _torch_path(monkeypatch)
+    q2, scale2, zero2 = int8_linear.quantize_rows(x, factor)
+    assert torch.equal(zero, zero2) and torch.allclose(scale, scale2, rtol=1e-6, atol=0)
+    assert (q.int() - q2.int()).abs().max() <= 1  # a value exactly between two levels may round either way
+    want = x.float() * factor
+    got = scale[:, None] * (q.float() - zero[:, None])
+    assert ((got - want).abs() <= scale[:, None] * 0.5 + 1e-6).all()  # within half a level
+    assert scale[3] == 1 and zero[3] == 0 and (q[3] == 0).all()
+    assert zero[4] == 0 and q[4].max() == 255 and zero[5] == 255 and q[5].min() == 0
+
+
+@pytest.mark.parametrize("act", [0, 1, 2, 3])
+def test_dequantize_rows_kernel_equals_the_torch_path(act: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    if int8_linear.int8_kernel() is None:
+        pytest.skip("the int8 elementwise kernel cannot be built here")
+    g = torch.Generator().manual_seed(1)
+    y, scale, zero = torch.randn(130, 200, generator=g) * 40, torch.rand(130, generator=g), torch.rand(130) * 255
+    colsum, bias = torch.randn(200, generator=g), torch.randn(200, generator=g)
+    got = int8_linear.dequantize_rows_(y.clone(), scale, zero, colsum, bias, act)
+    _torch_path(monkeypatch)
+    want = int8_linear.dequantize_rows_(y.clone(), scale, zero, colsum, bias, act)
+    assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
+
+
+@needs_vnni
+def test_int8_linear_without_the_kernel_gives_the_same_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the C++ kernel cannot be built, `Int8Linear` computes the same in PyTorch ops (and GELU after it)."""
+    g = torch.Generator().manual_seed(2)
+    linear = nn.Linear(96, 64)
+    layer = Int8Linear(linear, rows=32, smooth=torch.rand(96, generator=g) + 0.5)
+    layer.post_op = ("gelu", "none")
+    x = torch.randn(32, 96, generator=g)
+    fast = layer(x)
+    _torch_path(monkeypatch)
+    slow = layer(x)
+    want = torch.nn.functional.gelu(linear(x)).detach()
+    assert (fast - slow).abs().max() <= 1e-4
+    assert (slow - want).abs().max() <= 0.03 * float(want.abs().max())
