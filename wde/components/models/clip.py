@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from wde.components.attention.base import AttentionMetadata
+from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.base import PrefillModel
 from wde.components.models.bert import BertAttention, BertIntermediate, BertSelfOutput
+from wde.components.params import ModelParams
 from wde.components.pooler import segment_ids
 from wde.errors import ModelLoadError
 
@@ -220,6 +222,15 @@ class ClipModel(PrefillModel):
 
     def position_table_size(self, cfg: object) -> int | None:
         return int(cfg.text_config.max_position_embeddings)
+
+    def _quantize(self, params: ModelParams, ctx: BuildContext) -> str:
+        """`quantization: int8` is refused: the fidelity gate runs text probes, so the vision tower's int8 layers
+        would be neither calibrated (SmoothQuant's input maxima) nor measured, and images served unchecked."""
+        if params.quantization == "int8":
+            raise ModelLoadError(f"quantization=int8 does not cover model {self.name!r}: its fidelity gate probes"
+                                 " texts only, so the vision tower would run int8 uncalibrated and unmeasured; use"
+                                 " quantization: none")
+        return super()._quantize(params, ctx)
 
     def forward(self, batch: ModelInput) -> torch.Tensor:
         text, images = batch.by_modality()

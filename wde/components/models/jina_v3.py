@@ -20,6 +20,7 @@ from torch import nn
 
 from wde.components.base import BuildContext
 from wde.components.models.bert import BertEmbeddings, BertLayer, BertModel
+from wde.components.params import ModelParams
 from wde.components.models.rotary import RotaryEmbedding
 from wde.errors import ModelLoadError
 
@@ -72,6 +73,15 @@ class JinaEmbeddingsV3Model(BertModel):
 
     def position_table_size(self, cfg: object) -> int | None:
         return None  # rotary: no table to overrun
+
+    def _quantize(self, params: ModelParams, ctx: BuildContext) -> str:
+        """`quantization: int8` is refused by this model's name: its tasks are LoRA adapters, which int8 does not
+        combine with (the base class's refusal names `model.params.lora`, which this model refuses itself)."""
+        if params.quantization == "int8":
+            raise ModelLoadError(f"quantization=int8 does not cover model {self.name!r}: its tasks"
+                                 f" ({', '.join(TASKS)}) are LoRA adapters, which int8 does not combine with; use"
+                                 " quantization: none")
+        return super()._quantize(params, ctx)
 
     def before_packing(self, ctx: BuildContext) -> None:
         """Load the task adapters found beside the weights; `model.params.lora` is refused (the tasks are this
