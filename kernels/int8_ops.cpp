@@ -86,16 +86,33 @@ inline vf vrcp(vf d) {
   return r * (2.f - d * r);
 }
 
+// e^x for x in [-87, 0] (no range checks): Cephes' expf as vexp
+inline vf vexp_neg(vf x) {
+  const vf n = vround(x * 1.44269504088896341f);
+  x = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * x + 1.3981999507e-3f;
+  p = p * x + 8.3334519073e-3f;
+  p = p * x + 4.1665795894e-2f;
+  p = p * x + 1.6666665459e-1f;
+  p = p * x + 5.0000001201e-1f;
+  p = p * x * x + x + 1.f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
 // erf(x): Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7), odd in x
 inline vf verf(vf x) {
-  const vf a = x < 0.f ? -x : x;
+  const vf a = vmin(x < 0.f ? -x : x, splat(4.f));  // erf(4) rounds to 1 in float
   const vf t = vrcp(1.f + 0.3275911f * a);
   vf p = splat(1.061405429f);
   p = p * t - 1.453152027f;
   p = p * t + 1.421413741f;
   p = p * t - 0.284496736f;
   p = p * t + 0.254829592f;
-  const vf e = 1.f - p * t * vexp(-a * a);
+  const vf e = 1.f - p * t * vexp_neg(-a * a);
   return x < 0.f ? -e : e;
 }
 
@@ -166,6 +183,24 @@ void quantize_impl(const T* x, const float* f, int64_t rows, int64_t k, uint8_t*
   });
 }
 
+template <int64_t ACT>
+void dequantize_impl(float* yp, const float* sp, const float* zp, const float* cs, const float* b, int64_t rows,
+                     int64_t m) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* yr = yp + r * m;
+      const float s = sp[r], z = zp[r];
+      int64_t c = 0;
+      for (; c + VW <= m; c += VW) {
+        vf v = s * (vload(yr + c) - z * vload(cs + c));
+        if (b) v += vload(b + c);
+        vstore(yr + c, activate(v, ACT));
+      }
+      for (; c < m; ++c) yr[c] = activate1(s * (yr[c] - z * cs[c]) + (b ? b[c] : 0.f), ACT);
+    }
+  });
+}
+
 }  // namespace
 
 // x [rows, k] float32 / bfloat16, contiguous; factor [k] float32 or None. Returns (q u8 [rows, k], scale [rows],
@@ -213,19 +248,12 @@ at::Tensor dequantize_rows_(at::Tensor& y, const at::Tensor& scale, const at::Te
   const float* sp = scale.data_ptr<float>();
   const float* zp = zero.data_ptr<float>();
   const float* cs = colsum.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* yr = yp + r * m;
-      const float s = sp[r], z = zp[r];
-      int64_t c = 0;
-      for (; c + VW <= m; c += VW) {
-        vf v = s * (vload(yr + c) - z * vload(cs + c));
-        if (b) v += vload(b + c);
-        vstore(yr + c, activate(v, act));
-      }
-      for (; c < m; ++c) yr[c] = activate1(s * (yr[c] - z * cs[c]) + (b ? b[c] : 0.f), act);
-    }
-  });
+  switch (act) {
+    case GELU: dequantize_impl<GELU>(yp, sp, zp, cs, b, rows, m); break;
+    case GELU_TANH: dequantize_impl<GELU_TANH>(yp, sp, zp, cs, b, rows, m); break;
+    case RELU: dequantize_impl<RELU>(yp, sp, zp, cs, b, rows, m); break;
+    default: dequantize_impl<NONE>(yp, sp, zp, cs, b, rows, m);
+  }
   return y;
 }
 
