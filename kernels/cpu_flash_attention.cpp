@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -528,7 +529,22 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // whether bf16 inputs take the vdpbf16ps path in this build (AVX512-BF16 targeted at compile time)
 bool bf16_dot_products() { return HAS_DPBF16; }
 
+// the tasks a call with these sequences, query heads and mask would run on `threads` threads, in the order they are
+// taken: (sequence, head, first query block, end query block) each
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> plan_tasks(const at::Tensor& cu_seqlens, int64_t heads,
+                                                                       bool causal, int64_t left, int64_t right,
+                                                                       int64_t threads) {
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.is_contiguous(), "cpu_flash: cu_seqlens int64");
+  constexpr int64_t NONE = std::numeric_limits<int32_t>::max();
+  const Problem pb{cu_seqlens.data_ptr<int64_t>(), nullptr, heads, heads, 0, left < 0 ? NONE : left,
+                   right < 0 ? NONE : right, causal, 1.f};
+  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
+  for (const Task& t : plan(pb, cu_seqlens.numel() - 1, threads)) out.emplace_back(t.seq, t.head, t.b0, t.b1);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("varlen_attention", &varlen_attention, "packed varlen attention (CPU, float32 / bfloat16)");
   m.def("bf16_dot_products", &bf16_dot_products, "whether bf16 inputs take the AVX512-BF16 dot-product path");
+  m.def("plan_tasks", &plan_tasks, "the (sequence, head, first block, end block) tasks of a call, in order");
 }

@@ -106,6 +106,56 @@ def test_matches_a_float64_reference(dtype: torch.dtype, causal: bool, window: t
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_a_long_sequence_is_split_across_threads_and_every_thread_count_is_exact(threads: int) -> None:
+    """Tasks are runs of query blocks of one (sequence, head), sharing its converted keys and values; one long
+    sequence is cut into several runs per head only where the threads would otherwise lack work."""
+    kernel = load_kernel()
+    cu = torch.tensor([0, 1500])
+    tasks = kernel.plan_tasks(cu, 4, False, -1, -1, threads)
+    blocks = math.ceil(1500 / 32)
+    for head in range(4):  # each head's blocks covered once, in consecutive runs
+        runs = sorted((b0, b1) for s, h, b0, b1 in tasks if h == head)
+        assert [b for run in runs for b in range(*run)] == list(range(blocks)) and all(s == 0 for s, *_ in tasks)
+    assert len(tasks) == 4 if threads == 1 else len(tasks) >= 4 * threads
+    many = kernel.plan_tasks(torch.tensor([0] + [300] * 40).cumsum(0), 4, False, -1, -1, threads)
+    assert len(many) == 160  # enough (sequence, head) pairs: no sequence is cut
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype, head_dim, causal, window in ((torch.float32, 64, False, None), (torch.bfloat16, 32, True, None),
+                                                (torch.bfloat16, 128, False, (200, 50)), (torch.float32, 48, True,
+                                                                                          (300, 0))):
+            gen = torch.Generator().manual_seed(head_dim)
+            q, k, v = torch.randn(3, 1500, 4, head_dim, generator=gen).to(dtype).unbind(0)
+            out = kernel.varlen_attention(q, k, v, cu, None, causal, *(window or (-1, -1)), head_dim ** -0.5)
+            expected = reference(q, k, v, [1500], causal, window, None, head_dim ** -0.5)
+            err = float((out.double() - expected).abs().max())
+            assert err <= tolerance(dtype, expected), (dtype, head_dim, causal, window, err)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_bf16_takes_the_dot_product_path_where_the_cpu_has_avx512_bf16(head_dim: int) -> None:
+    """Under -march=native on a CPU with avx512_bf16, bf16 Q.K^T and P.V run as vdpbf16ps (P rounded to bf16); the
+    result stays within two bf16 units of the float64 reference and close to the float32 path on the same inputs."""
+    kernel = load_kernel()
+    flags = cpu_flash._cpu_flags().split()
+    assert kernel.bf16_dot_products() == ("avx512_bf16" in flags and cpu_flash.isa_flags() == ["-march=native"])
+    lens, q, k, v, mask = case(head_dim, torch.bfloat16, head_dim, 2, True)
+    cu = torch.tensor([0] + lens).cumsum(0)
+    out = kernel.varlen_attention(q, k, v, cu, mask, False, -1, -1, head_dim ** -0.5)
+    expected = reference(q, k, v, lens, False, None, mask, head_dim ** -0.5)
+    assert float((out.double() - expected).abs().max()) <= tolerance(torch.bfloat16, expected)
+    wide = kernel.varlen_attention(q.float(), k.float(), v.float(), cu, mask, False, -1, -1, head_dim ** -0.5)
+    live = wide.flatten(1).norm(dim=-1) > 0  # tokens with a key to attend (none in the first sequence)
+    cos = torch.nn.functional.cosine_similarity(out.float().flatten(1)[live], wide.flatten(1)[live], dim=-1)
+    assert int(live.sum()) > 100 and float(cos.min()) >= 0.999
+
+
+@needs_kernel
 def test_a_query_whose_only_causal_key_is_masked_outputs_zeros() -> None:
     lens = [5, 1, 3]
     mask = torch.tensor([False, True, True, True, True, False, False, True, True])
@@ -203,7 +253,7 @@ from wde.components.attention.cpu_flash import isa_flags, load_kernel
 from tests.test_cpu_flash_attention import case, reference, tolerance
 assert isa_flags() == ["-mavx2", "-mfma", "-mf16c"], isa_flags()
 kernel = load_kernel()
-assert kernel is not None
+assert kernel is not None and not kernel.bf16_dot_products()
 for dtype in (torch.float32, torch.bfloat16):
     for causal, window in ((False, None), (True, (9, 0)), (False, (5, 20))):
         lens, q, k, v, mask = case(7, dtype, 64, 2, True)
