@@ -488,14 +488,14 @@ def main() -> None:
         if ISA_CAP else ""
     print(f"host: {cpu_summary()}{capped}; {time.strftime('%Y-%m-%d')}; dtype {args.dtype}")
     print(f"workload: {len(texts['short'])} short texts ({tokens['short']} tokens), {len(texts['long'])} long"
-          f" ({tokens['long']} tokens); fidelity also on {len(texts['corpus'])} corpus texts and"
-          f" {len(texts['queries'])} queries")
+          f" ({tokens['long']} tokens)" + ("" if args.serve_only else f"; fidelity also on {len(texts['corpus'])}"
+                                             f" corpus texts and {len(texts['queries'])} queries"))
     prepared = {} if args.serve_only else {e: prepare(e, model, args) for e in engines}
 
     from sentence_transformers import SentenceTransformer
 
-    reference = SentenceTransformer(model, device="cpu")
-    ref = {name: reference.encode(xs, batch_size=32) for name, xs in texts.items()}
+    reference = None if args.serve_only else SentenceTransformer(model, device="cpu")
+    ref = {name: reference.encode(xs, batch_size=32) for name, xs in texts.items()} if reference else {}
 
     results: dict[str, dict] = {e: {"short": [], "long": [], "fidelity": None} for e in engines}
     args.serve = args.serve or args.serve_only
