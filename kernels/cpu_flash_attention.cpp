@@ -133,24 +133,24 @@ struct KV {
   std::vector<uint32_t> k2, v2;
 };
 
-// s[r][0:KB] = qf[r] . kt[:, 0:KB] for rows r0 .. r0+RG-1 (all of them in the buffers)
-template <int64_t D>
+// s[r][0:NV*VW] = qf[r] . kt[:, 0:NV*VW] for rows r0 .. r0+RG-1 (all of them in the buffers)
+template <int64_t D, int64_t NV>
 inline void scores(const float (*qf)[D], const float* kt, float (*s)[KB], int64_t r0) {
-  vf acc[RG][KB / VW] = {};
+  vf acc[RG][NV] = {};
   for (int64_t c = 0; c < D; ++c) {
-    vf kc[KB / VW];
-    for (int64_t x = 0; x < KB / VW; ++x) {
+    vf kc[NV];
+    for (int64_t x = 0; x < NV; ++x) {
       vf t = vload(kt + c * KB + x * VW);
       IN_REGISTER(t);
       kc[x] = t;
     }
     for (int64_t r = 0; r < RG; ++r) {
       const float qv = qf[r0 + r][c];
-      for (int64_t x = 0; x < KB / VW; ++x) acc[r][x] += qv * kc[x];
+      for (int64_t x = 0; x < NV; ++x) acc[r][x] += qv * kc[x];
     }
   }
   for (int64_t r = 0; r < RG; ++r)
-    for (int64_t x = 0; x < KB / VW; ++x) vstore(&s[r0 + r][x * VW], acc[r][x]);
+    for (int64_t x = 0; x < NV; ++x) vstore(&s[r0 + r][x * VW], acc[r][x]);
 }
 
 // acc[r] = acc[r] * alpha[r] + s[r][0:nk] . vt[0:nk] for rows r0 .. r0+RP-1
@@ -179,27 +179,27 @@ inline void accumulate(float (*acc)[D], const float* vt, const float (*s)[KB], c
 #ifdef __AVX512BF16__
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
-// s[r][0:KB] = scale * q2[r] . k2[:, 0:KB] for rows r0 .. r0+RG-1; q2 / k2 are pairs of bf16 along head_dim
-template <int64_t D>
+// s[r][0:NV*VW] = scale * q2[r] . k2[:, 0:NV*VW] for rows r0 .. r0+RG-1; q2 / k2: pairs of bf16 along head_dim
+template <int64_t D, int64_t NV>
 inline void scores_bf16(const uint32_t (*q2)[D / 2], const uint32_t* kt, float (*s)[KB], int64_t r0, float scale) {
-  __m512 acc[RG][KB / VW];
+  __m512 acc[RG][NV];
   for (int64_t r = 0; r < RG; ++r)
-    for (int64_t x = 0; x < KB / VW; ++x) acc[r][x] = _mm512_setzero_ps();
+    for (int64_t x = 0; x < NV; ++x) acc[r][x] = _mm512_setzero_ps();
   for (int64_t c = 0; c < D / 2; ++c) {
-    __m512i kc[KB / VW];
-    for (int64_t x = 0; x < KB / VW; ++x) {
+    __m512i kc[NV];
+    for (int64_t x = 0; x < NV; ++x) {
       __m512i t = _mm512_loadu_si512(kt + c * KB + x * VW);
       IN_REGISTER(t);
       kc[x] = t;
     }
     for (int64_t r = 0; r < RG; ++r) {
       const __m512bh qv = as_bh(_mm512_set1_epi32(static_cast<int>(q2[r0 + r][c])));
-      for (int64_t x = 0; x < KB / VW; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], qv, as_bh(kc[x]));
+      for (int64_t x = 0; x < NV; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], qv, as_bh(kc[x]));
     }
   }
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < RG; ++r)
-    for (int64_t x = 0; x < KB / VW; ++x) _mm512_storeu_ps(&s[r0 + r][x * VW], _mm512_mul_ps(acc[r][x], sc));
+    for (int64_t x = 0; x < NV; ++x) _mm512_storeu_ps(&s[r0 + r][x * VW], _mm512_mul_ps(acc[r][x], sc));
 }
 
 // acc[r] = acc[r] * alpha[r] + p2[r][0:np] . v2[0:np] for rows r0 .. r0+RP-1; p2 / v2 are pairs of bf16 along keys
@@ -240,6 +240,18 @@ constexpr bool HAS_DPBF16 = false;
 
 inline uint16_t bf16_bits(const c10::BFloat16& x) { return x.x; }
 
+// f(std::integral_constant<int64_t, nv>) for nv in 1 .. KB / VW: kernels specialized for a tile's first nv * VW keys
+template <typename F>
+inline void with_width(int64_t nv, F&& f) {
+  static_assert(KB / VW == 4);
+  switch (nv) {
+    case 1: return f(std::integral_constant<int64_t, 1>{});
+    case 2: return f(std::integral_constant<int64_t, 2>{});
+    case 3: return f(std::integral_constant<int64_t, 3>{});
+    default: return f(std::integral_constant<int64_t, 4>{});
+  }
+}
+
 // the keys [kc0, kc1) of one sequence and kv head, converted into kv for the float path (DP false) or the bf16
 // dot-product path (DP true)
 template <typename scalar_t, int64_t D, bool DP>
@@ -250,14 +262,21 @@ void load_kv(const Problem& pb, const Packed<const scalar_t>& k, const Packed<co
   const int64_t tiles = (n + KB - 1) / KB;
   kv.bias.resize(tiles * KB);
   kv.masked.assign(tiles, 0);
+  const int64_t kpad = D > 0 ? (n + VW - 1) / VW * VW : tiles * KB;  // a tile's keys are read in vectors of VW
   for (int64_t j = 0; j < tiles * KB; ++j) {
     kv.bias[j] = j >= n ? NEG_INF : (pb.key_mask == nullptr || pb.key_mask[start + kc0 + j]) ? 0.f : NEG_INF;
     if (kv.bias[j] != 0.f) kv.masked[j / KB] = 1;
   }
   if constexpr (DP) {
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      kv.k2.assign(tiles * (d / 2) * KB, 0u);
-      kv.v2.assign(tiles * (KB / 2) * d, 0u);
+      kv.k2.resize(tiles * (d / 2) * KB);
+      kv.v2.resize(tiles * (KB / 2) * d);
+      for (int64_t j = n; j < kpad; ++j) {  // keys past the range that are read: zeros (0 times a stale NaN is NaN)
+        uint32_t* kt = kv.k2.data() + (j / KB) * (d / 2) * KB + j % KB;
+        for (int64_t c = 0; c < d / 2; ++c) kt[c * KB] = 0u;
+        uint16_t* vt = reinterpret_cast<uint16_t*>(kv.v2.data() + (j / 2) * d) + (j & 1);
+        for (int64_t c = 0; c < d; ++c) vt[2 * c] = 0;
+      }
       for (int64_t j = 0; j < n; ++j) {
         const uint32_t* ks = reinterpret_cast<const uint32_t*>(k.row(start + kc0 + j, kvh));
         uint32_t* kt = kv.k2.data() + (j / KB) * (d / 2) * KB + j % KB;
@@ -268,8 +287,12 @@ void load_kv(const Problem& pb, const Packed<const scalar_t>& k, const Packed<co
       }
     }
   } else {
-    kv.kf.assign(tiles * d * KB, 0.f);
+    kv.kf.resize(tiles * d * KB);
     kv.vf_.resize(tiles * KB * d);
+    for (int64_t j = n; j < kpad; ++j) {  // keys past the range that are read: zeros in K (their V rows are not)
+      float* kt = kv.kf.data() + (j / KB) * d * KB + j % KB;
+      for (int64_t c = 0; c < d; ++c) kt[c * KB] = 0.f;
+    }
     for (int64_t j = 0; j < n; ++j) {
       const scalar_t* ks = k.row(start + kc0 + j, kvh);
       const scalar_t* vs = v.row(start + kc0 + j, kvh);
@@ -324,14 +347,20 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
     const int64_t kb = kc0 + t * KB;
     const int64_t nk = std::min(KB, kc1 - kb);
     const float* kbias = kv.bias.data() + t * KB;
+    const int64_t nv = VEC || DP ? (nk + VW - 1) / VW : KB / VW;  // vectors of keys computed: s[:, 0:width]
+    const int64_t width = nv * VW;
     if constexpr (DP) {
 #ifdef __AVX512BF16__
       const uint32_t* kt = kv.k2.data() + t * (D / 2) * KB;
-      for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) scores_bf16<D>(q2, kt, s, r0, pb.scale);
+      with_width(nv, [&](auto w) {
+        for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) scores_bf16<D, w>(q2, kt, s, r0, pb.scale);
+      });
 #endif
     } else if constexpr (VEC) {
       const float* kt = kv.kf.data() + t * D * KB;
-      for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) scores<D>(qf, kt, s, r0);
+      with_width(nv, [&](auto w) {
+        for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) scores<D, w>(qf, kt, s, r0);
+      });
     } else {
       const float* kt = kv.kf.data() + t * d * KB;
       for (int64_t r = 0; r < rows_padded; ++r) {
@@ -354,17 +383,17 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
       live[r] = hi > lo;
       mnew[r] = m[r];
       if (!live[r]) continue;
-      if (!clean || lo > 0 || hi < KB) {
-        for (int64_t j = 0; j < KB; ++j) sr[j] += kbias[j];
+      if (!clean || lo > 0 || hi < width) {
+        for (int64_t j = 0; j < width; ++j) sr[j] += kbias[j];
         for (int64_t j = 0; j < lo; ++j) sr[j] = NEG_INF;
-        for (int64_t j = hi; j < KB; ++j) sr[j] = NEG_INF;
+        for (int64_t j = hi; j < width; ++j) sr[j] = NEG_INF;
       }
       vf mv = vload(sr);
-      for (int64_t x = 1; x < KB / VW; ++x) { const vf u = vload(sr + x * VW); mv = mv > u ? mv : u; }
+      for (int64_t x = 1; x < nv; ++x) { const vf u = vload(sr + x * VW); mv = mv > u ? mv : u; }
       mnew[r] = std::max(m[r], vmax(mv));
     }
     // how much each row's output and sum shrink, 16 rows at a time: e^(old max - new max); 1 while a row has none
-    for (int64_t r = 0; r < QB; r += VW) {
+    for (int64_t r = 0; r < rows_padded; r += VW) {
       const vf mn = vload(mnew + r);
       vstore(alpha + r, mn == NEG_INF ? vf{} + 1.f : vexp(vload(m + r) - mn));
     }
@@ -375,7 +404,7 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
         for (int64_t j = 0; j < KB; ++j) sr[j] = 0.f;
       } else {
         vf sv = {};
-        for (int64_t x = 0; x < KB / VW; ++x) {
+        for (int64_t x = 0; x < nv; ++x) {
           const vf e = vexp(vload(sr + x * VW) - mnew[r]);
           vstore(sr + x * VW, e);
           sv += e;
@@ -384,7 +413,7 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
         m[r] = mnew[r];
       }
 #ifdef __AVX512BF16__
-      if constexpr (DP) to_bf16_pairs(sr, p2[r], KB);
+      if constexpr (DP) to_bf16_pairs(sr, p2[r], width);
 #endif
     }
     if constexpr (DP) {

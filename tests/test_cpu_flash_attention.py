@@ -137,6 +137,25 @@ def test_a_long_sequence_is_split_across_threads_and_every_thread_count_is_exact
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_nan_in_one_sequence_stays_in_it(dtype: torch.dtype) -> None:
+    """On one thread, the short sequence reuses the buffer that held the long one's NaN keys and values: the keys
+    past its end that the kernel reads must be zeros, not what the buffer held before."""
+    lens = [200, 5]
+    q, k, v = torch.randn(3, sum(lens), 2, 32, generator=torch.Generator().manual_seed(3)).to(dtype).unbind(0)
+    k[:200, :, 7] = float("nan")
+    v[:200, :, 9] = float("nan")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = load_kernel().varlen_attention(q, k, v, torch.tensor([0, 200, 205]), None, False, -1, -1, 0.2)
+    finally:
+        torch.set_num_threads(previous)
+    expected = reference(q[200:], k[200:], v[200:], [5], False, None, None, 0.2)
+    assert float((out[200:].double() - expected).abs().max()) <= tolerance(dtype, expected)
+
+
+@needs_kernel
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_bf16_takes_the_dot_product_path_where_the_cpu_has_avx512_bf16(head_dim: int) -> None:
     """Under -march=native on a CPU with avx512_bf16, bf16 Q.K^T and P.V run as vdpbf16ps (P rounded to bf16); the
