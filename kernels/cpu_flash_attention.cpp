@@ -558,6 +558,14 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // whether bf16 inputs take the vdpbf16ps path in this build (AVX512-BF16 targeted at compile time)
 bool bf16_dot_products() { return HAS_DPBF16; }
 
+// how many workers at::parallel_for starts for the kernel's tasks: torch's thread count, or 1 where this file was
+// compiled without OpenMP (its parallel_for is inline: without -fopenmp it runs the whole range on the caller)
+int64_t parallel_workers() {
+  std::atomic<int64_t> workers{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) { workers += 1; });
+  return workers;
+}
+
 // the tasks a call with these sequences, query heads and mask would run on `threads` threads, in the order they are
 // taken: (sequence, head, first query block, end query block) each
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> plan_tasks(const at::Tensor& cu_seqlens, int64_t heads,
@@ -575,5 +583,6 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> plan_tasks(const at:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("varlen_attention", &varlen_attention, "packed varlen attention (CPU, float32 / bfloat16)");
   m.def("bf16_dot_products", &bf16_dot_products, "whether bf16 inputs take the AVX512-BF16 dot-product path");
+  m.def("parallel_workers", &parallel_workers, "how many threads run the kernel's tasks");
   m.def("plan_tasks", &plan_tasks, "the (sequence, head, first block, end block) tasks of a call, in order");
 }

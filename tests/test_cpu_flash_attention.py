@@ -123,6 +123,7 @@ def test_a_long_sequence_is_split_across_threads_and_every_thread_count_is_exact
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        assert kernel.parallel_workers() == threads  # built with OpenMP: the tasks run on torch's threads
         for dtype, head_dim, causal, window in ((torch.float32, 64, False, None), (torch.bfloat16, 32, True, None),
                                                 (torch.bfloat16, 128, False, (200, 50)), (torch.float32, 48, True,
                                                                                           (300, 0))):

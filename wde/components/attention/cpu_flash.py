@@ -72,7 +72,7 @@ def load_kernel() -> ModuleType | None:
         return None
     source = resources.files("wde.kernels").joinpath(SOURCE)
     text = source.read_bytes()
-    flags = ["-O3", *isa_flags()]
+    flags = ["-O3", "-fopenmp", *isa_flags()]  # -fopenmp: at::parallel_for (inline) runs on torch's OpenMP threads
     key = hashlib.sha256(b"\0".join([text, torch.__version__.encode(), " ".join(flags).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     name = f"wde_cpu_flash_{key}"
