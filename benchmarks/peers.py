@@ -139,14 +139,14 @@ def ort_config() -> str:
 
 def export_folder(engine: str, model: str, cache: Path) -> tuple[Path, dict]:
     """Where an int8 peer's model lives in the cache, and the export's arguments; the key covers the model folder's
-    files (names, sizes, times), the engine, its config and the export script itself."""
+    files (names, sizes, times), the engine, its config, `--isa` and the export script itself."""
     import hashlib
 
     arguments = {"config": ort_config()} if engine == "ort-int8" else {"samples": 300}
     root = Path(model).resolve()
     files = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
                    for p in root.rglob("*") if p.is_file())
-    key = json.dumps([engine, str(root), files, arguments, (HERE.parent / "peers_int8_export.py").read_text()])
+    key = json.dumps([engine, str(root), files, arguments, ISA_CAP, (HERE.parent / "peers_int8_export.py").read_text()])
     return cache / f"{engine}-{root.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}", arguments
 
 
@@ -163,11 +163,14 @@ def prepare(engine: str, model: str, args: argparse.Namespace) -> str | None:
         shutil.rmtree(folder, ignore_errors=True)
         code = (f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); from peers_int8_export import export;"
                 f" export({engine!r}, {model!r}, {str(folder)!r}, **{arguments!r})")
-        quiet = None if args.verbose else subprocess.DEVNULL
-        status = subprocess.run([python_for(engine, args), "-c", code], env=engine_env(engine), stdout=quiet,
-                                stderr=quiet).returncode
+        log = folder.parent / f"{folder.name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as sink:
+            quiet = None if args.verbose else sink
+            status = subprocess.run([python_for(engine, args), "-c", code], env=engine_env(engine), stdout=quiet,
+                                    stderr=quiet).returncode
         if not done.exists():
-            raise SystemExit(f"{engine}: the int8 export failed (exit status {status}); --verbose shows why")
+            raise SystemExit(f"{engine}: the int8 export failed (exit status {status}){last_line(log)}")
     info = json.loads(done.read_text())
     versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
     print(f"{engine}: {folder} ({', '.join(f'{k} {v}' for k, v in arguments.items())}; exported in"
@@ -203,7 +206,11 @@ def worker(engine: str, model: str, dtype: str, texts_file: str, out_file: str, 
         if engine == "openvino":  # optimum-intel exports the float model at load
             kwargs = {"ov_config": {"INFERENCE_PRECISION_HINT": {"float32": "f32", "bfloat16": "bf16"}[dtype]}}
         else:  # the model peers_int8_export.py wrote
+            from peers_int8_export import openvino_config
+
             kwargs = {"file_name": json.loads(Path(prepared, "export.json").read_text())["file_name"]}
+            if engine == "openvino-int8":
+                kwargs["ov_config"] = openvino_config()
         backend = "onnx" if engine == "ort-int8" else "openvino"
         st = SentenceTransformer(prepared or model, device="cpu", backend=backend, model_kwargs=kwargs)
         run = lambda xs: st.encode(xs, batch_size=32, normalize_embeddings=False)  # noqa: E731
@@ -225,6 +232,12 @@ def worker(engine: str, model: str, dtype: str, texts_file: str, out_file: str, 
         vectors[name] = np.asarray(run(texts[name]), dtype=np.float32)
     np.savez(out_file, **vectors)
     Path(out_file + ".json").write_text(json.dumps({"seconds": seconds, "threads": threads}))
+
+
+def last_line(log: str | Path) -> str:
+    """The last line a failed run wrote to `log` (its error) after ": ", or the hint to rerun with --verbose."""
+    lines = [line for line in Path(log).read_text(errors="replace").splitlines() if line.strip()]
+    return f": {lines[-1].strip()}" if lines else "; --verbose shows why"
 
 
 def python_for(engine: str, args: argparse.Namespace) -> str:
@@ -269,11 +282,12 @@ def offline(engine: str, model: str, dtype: str, texts_file: str, tmp: Path, arg
     code = (f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); from peers import worker;"
             f" worker({engine!r}, {model!r}, {dtype!r}, {texts_file!r}, {out!r}, {prepared!r}, {fidelity!r},"
             f" {tuple(args.wde_set)!r})")
-    done = subprocess.run([python_for(engine, args), "-c", code], env=engine_env(engine), timeout=1800,
-                          stdout=subprocess.DEVNULL if not args.verbose else None,
-                          stderr=subprocess.DEVNULL if not args.verbose else None)
+    with open(out + ".log", "w") as log:
+        done = subprocess.run([python_for(engine, args), "-c", code], env=engine_env(engine), timeout=1800,
+                              stdout=None if args.verbose else subprocess.DEVNULL,
+                              stderr=None if args.verbose else log)
     if not Path(out + ".json").exists():
-        raise SystemExit(f"{engine}: the offline run failed (exit status {done.returncode}); --verbose shows why")
+        raise SystemExit(f"{engine}: the offline run failed (exit status {done.returncode}){last_line(out + '.log')}")
     if done.returncode != 0:  # vLLM's engine shutdown now and then aborts after the results are written
         print(f"note: {engine} exited with status {done.returncode} after writing its results", flush=True)
     info = json.loads(Path(out + ".json").read_text())
@@ -460,7 +474,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=1500)
     ap.add_argument("--wde-set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a workflow override for WDE's engines, offline and served (repeatable), e.g. executor.name=sync")
+                    help="a workflow override for WDE's engines, offline and served (repeatable),"
+                         " e.g. executor.name=sync")
     ap.add_argument("--wde-api-servers", type=int, default=None, metavar="N",
                     help="wde serve --api-servers N (0: one process; default: wde serve's own choice)")
     ap.add_argument("--isa", default="native", choices=["native", *ISA_CAPS],
@@ -546,6 +561,8 @@ def print_ratios(results: dict[str, dict], engines: list[str], dtype: str) -> No
     wde = [e for e in engines if e in WDE_DTYPES]
     wde_float = [e for e in wde if e != "wde-int8"]
     peers = [e for e in engines if e not in WDE_DTYPES]
+    if not wde:
+        return
     if len(wde) == 1:
         for peer in peers:
             print(ratio_line(results, wde, [peer], f"{wde[0]} / {peer}"))

@@ -2,7 +2,8 @@
 
 - `ort-int8`: sentence-transformers' `export_dynamic_quantized_onnx_model` (ONNX Runtime dynamic quantization:
   int8 weights per channel, activations quantized per tensor at run time) with the config named after the host's
-  ISA (`avx512_vnni`, else `avx2`); loaded with `backend="onnx"` and `file_name=onnx/model_qint8_<config>.onnx`.
+  ISA (`avx512_vnni`, else `avx2`); loaded with `backend="onnx"` and `file_name=onnx/model_qint8_avx512_vnni.onnx`
+  (`model_quint8_avx2.onnx`).
 - `openvino-int8`: NNCF post-training static quantization through optimum-intel's `OVQuantizer` with
   `OVQuantizationConfig()`'s defaults (8-bit, asymmetric activations, `model_type="transformer"`), the same path as
   sentence-transformers' `export_static_quantized_openvino_model` but calibrated on `calibration_texts()` (the
@@ -39,11 +40,14 @@ def calibration_texts(n: int = 300) -> list[str]:
     return sentences(n - n // 2, mean_words=28, seed=11) + sentences(n // 2, mean_words=150, seed=12)
 
 
-def ort_file(config: str) -> str:
-    return f"onnx/model_qint8_{config}.onnx"
-
-
 OPENVINO_FILE = "openvino/openvino_model.xml"
+
+
+def openvino_config() -> dict[str, str]:
+    """OpenVINO's own defaults, but float32 for what stays float when oneDNN is capped to AVX2 (`peers.py --isa
+    avx2`): its default there is still bfloat16 on a CPU that has it, and its capped oneDNN then has no bfloat16
+    Softmax (compiling fails); a host without AVX-512 runs float32."""
+    return {"INFERENCE_PRECISION_HINT": "f32"} if os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2" else {}
 
 
 def export_ort_int8(model: str, out: Path, config: str) -> dict:
@@ -53,9 +57,10 @@ def export_ort_int8(model: str, out: Path, config: str) -> dict:
     st = SentenceTransformer(model, device="cpu", backend="onnx")  # exports model.onnx through optimum
     st.save(str(out))
     export_dynamic_quantized_onnx_model(st, config, str(out))
-    if not (out / ort_file(config)).exists():
-        raise SystemExit(f"ort-int8: {ort_file(config)} was not written in {out}")
-    return {"file_name": ort_file(config), "config": config}
+    written = sorted(out.glob(f"onnx/model_*_{config}.onnx"))  # qint8 weights for avx512_vnni, quint8 for avx2
+    if len(written) != 1:
+        raise SystemExit(f"ort-int8: expected one onnx/model_*_{config}.onnx in {out}, found {written}")
+    return {"file_name": str(written[0].relative_to(out)), "config": config}
 
 
 def export_openvino_int8(model: str, out: Path, samples: int) -> dict:
@@ -63,7 +68,8 @@ def export_openvino_int8(model: str, out: Path, samples: int) -> dict:
     from optimum.intel import OVConfig, OVQuantizationConfig, OVQuantizer
     from sentence_transformers import SentenceTransformer
 
-    st = SentenceTransformer(model, device="cpu", backend="openvino")  # exports the float IR through optimum-intel
+    st = SentenceTransformer(model, device="cpu", backend="openvino",  # exports the float IR through optimum-intel
+                             model_kwargs={"ov_config": openvino_config()})
     ov_model = st.transformers_model
     inputs = set(ov_model.input_names)
     data = []
