@@ -12,18 +12,18 @@ and sentence-transformers; `--ort-python`, one with `sentence-transformers[onnx]
 - `vllm`: vLLM's CPU build, `LLM.embed` in `--dtype` (and its OpenAI server with `--serve`);
 - `openvino`: sentence-transformers with `backend="openvino"`, `INFERENCE_PRECISION_HINT` from `--dtype`;
 - `openvino-int8`: the same on an NNCF static int8 model calibrated on generated texts (`peers_int8_export.py`),
-  OpenVINO's default precision for what stays float;
+  OpenVINO's default precision for what stays float (bf16 on a CPU with avx512_bf16; f32 under `--isa avx2`);
 - `ort-int8`: sentence-transformers with `backend="onnx"` on an ONNX Runtime dynamic int8 model (the `avx512_vnni`
   config where the CPU has VNNI, else `avx2`).
 
 The int8 peers' models are exported once, before any timing, into `--cache` (default `~/.cache/wde-peers`, keyed
-by model folder, engine, config and the export script) and reused by later runs.
+by model folder, engine, config, `--isa` and the export script) and reused by later runs.
 
 - offline: 1,000 short texts (~32 tokens) and 200 long ones (200-250 tokens), tokens/s of real tokens (counted once
   with the model's tokenizer), best of the rounds and each round's figure;
 - fidelity, measured in each engine's first round, untimed, after its timed runs: min and mean cosine to
   sentence-transformers in float32 over every text it embedded (the timed workload, the corpus and the queries),
-  and top-10 retrieval overlap: `--corpus` texts (2,000; mixed lengths, 4-210 words cut to 250 tokens) and 100
+  and top-10 retrieval overlap: `--corpus` texts (2,000; mixed lengths, 3-210 words cut to 250 tokens) and 100
   queries (a 6-12 word window of every `--corpus // 100`-th corpus text), mean over queries of |top-10 by cosine ∩
   the fp32 reference's top-10| / 10;
 - serving (`--serve`, WDE's engines and vLLM): `--clients` closed-loop clients each sending single-text
@@ -32,10 +32,12 @@ by model folder, engine, config and the export script) and reused by later runs.
     python benchmarks/peers.py --dtype bfloat16 --vllm-python /work/venvs/vllm/bin/python --serve
     python benchmarks/peers.py --dtype float32 --engines wde,st          # without vLLM
     python benchmarks/peers.py --dtype float32 --engines wde,vllm,openvino,st --serve
-    python benchmarks/peers.py --engines wde-fp32,wde-bf16,wde-int8,ort-int8,openvino-int8,st   # int8
+    python benchmarks/peers.py --dtype float32 --engines wde-fp32,wde-bf16,wde-int8,ort-int8,openvino-int8,st
 
-The last lines print the ratios: each WDE engine against each peer of the same precision, WDE's best engine
-against every peer, and for int8 WDE int8 against the faster int8 peer and against WDE's fastest float engine.
+The last lines print the ratios: serving, each WDE engine served against vLLM and WDE int8 against WDE's float
+engines; offline, with one WDE engine it against every peer, with several each against each float peer of its
+precision and the fastest of them (per column) against every peer, then WDE int8 against the faster int8 peer and
+against WDE's fastest float engine.
 Everything runs on loopback and stops by itself.
 """
 
