@@ -2,7 +2,8 @@
 
 `build(source, what)` compiles one source with `torch.utils.cpp_extension` (gcc and ninja, nothing downloaded) into a
 cache folder (`WDE_KERNEL_CACHE`, default `~/.cache/wde/kernels`), keyed by the source, torch's version, the
-instruction set it targets and the CPU's flags, so each host compiles each kernel once (about 30 s) and later starts
+instruction set it targets and the CPU's flags, with `-fopenmp` (`at::parallel_for` is inline: without OpenMP a
+kernel's tasks all run on the calling thread), so each host compiles each kernel once (about 30 s) and later starts
 load it. The instruction set is the host's own (`-march=native`), or AVX2 when `ATEN_CPU_CAPABILITY` caps torch at
 avx2 (plain x86-64 for `default`). Where a kernel cannot be built (no compiler, no headers) it returns None and its
 caller says so in one warning line and takes its pure-PyTorch path.
@@ -51,7 +52,7 @@ def build(source: str, prefix: str) -> tuple[ModuleType | None, str]:
     it cannot be built."""
     src = resources.files("wde.kernels").joinpath(source)
     text = src.read_bytes()
-    flags = ["-O3", *isa_flags()]
+    flags = ["-O3", "-fopenmp", *isa_flags()]  # -fopenmp: at::parallel_for (inline) runs on torch's OpenMP threads
     key = hashlib.sha256(b"\0".join([text, torch.__version__.encode(), " ".join(flags).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     name = f"{prefix}_{key}"
