@@ -7,6 +7,11 @@ neighbour on a shared CPU slows every backend alike; the table says how fast eac
 
     python benchmarks/cpu_attention.py                       # float32 and bfloat16
     python benchmarks/cpu_attention.py --dtype bfloat16 --repeats 15
+    python benchmarks/cpu_attention.py --threads 1 --mean 16 --mean 128 --mean 512 --backend cpu_varlen \
+        --backend cpu_flash_varlen                           # a sweep of mean lengths (each 0.6-1.4x the mean)
+
+With `--threads 1` each call is timed in CPU time (`time.process_time`), which a neighbour on a shared CPU does not
+inflate; with more threads, in wall time.
 """
 
 from __future__ import annotations
@@ -67,19 +72,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=9, help="interleaved timed calls of each backend")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--backend", action="append", choices=sorted(BACKENDS), help="default: all")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--mean", type=int, action="append",
+                    help="mean sequence lengths to sweep instead of short / long texts (lengths 0.6-1.4x the mean)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+    texts_by_name = {f"~{m}": (max(1, m * 3 // 5), m * 7 // 5) for m in args.mean} if args.mean else TEXTS
     if load_kernel() is None:
         sys.exit("cpu_flash_varlen's kernel could not be built here (see the warning above)")
     names = args.backend or list(BACKENDS)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu capability "
           f"{torch.backends.cpu.get_cpu_capability()}, causal={args.causal}; "
-          f"median of {args.repeats} interleaved calls")
+          f"median of {args.repeats} interleaved calls ({'CPU' if clock is time.process_time else 'wall'} time)")
     print(f"{'dtype':9} {'model':10} {'texts':6} {'seqs':>5} " + " ".join(f"{n:>17}" for n in names))
     rng = random.Random(0)
     for dtype_name in args.dtype or ["float32", "bfloat16"]:
         dtype = getattr(torch, dtype_name)
         for model, (heads, dim) in MODELS.items():
-            for texts, (lo, hi) in TEXTS.items():
+            for texts, (lo, hi) in texts_by_name.items():
                 lens = lengths(lo, hi, args.tokens, rng)
                 batch = packed(lens)
                 qkv = torch.randn(batch.num_tokens, 3 * heads, dim).to(dtype)
@@ -90,9 +102,9 @@ def main(argv: list[str] | None = None) -> None:
                     b.forward(q, k, v, meta, dim ** -0.5)
                 for _ in range(args.repeats):
                     for n, (b, meta) in metas.items():
-                        t0 = time.perf_counter()
+                        t0 = clock()
                         b.forward(q, k, v, meta, dim ** -0.5)
-                        times[n].append(time.perf_counter() - t0)
+                        times[n].append(clock() - t0)
                 med = {n: statistics.median(t) for n, t in times.items()}
                 base = med.get("torch_sdpa", next(iter(med.values())))
                 cells = " ".join(f"{med[n] * 1e3:8.2f}ms {base / med[n]:5.2f}x" for n in names)
