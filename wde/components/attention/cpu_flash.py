@@ -12,9 +12,10 @@ zeros, as on every backend.
 The kernel is compiled once per host by `torch.utils.cpp_extension` (gcc, no download) into a cache folder
 (`WDE_KERNEL_CACHE`, default `~/.cache/wde/kernels`), keyed by the source, torch's version, the instruction set it
 targets and the CPU's flags: `-O3 -fopenmp` (OpenMP, so that torch's threads run its tasks) and `-march=native`, or
-AVX2 when `ATEN_CPU_CAPABILITY` caps torch at avx2 (plain x86-64 for `default`). Where it cannot be built (no compiler) or is switched off (`WDE_CPU_FLASH=0`), one warning line
-says so and the backend computes the same attention with `cpu_varlen`'s per-run SDPA calls; so does a float16 batch
-(or a head_dim above 256, or q/k/v whose head_dim is strided).
+AVX2 when `ATEN_CPU_CAPABILITY` caps torch at avx2 (plain x86-64 for `default`). Where it cannot be built (no
+compiler) or is switched off (`WDE_CPU_FLASH=0`), one warning line says so and the backend computes the same
+attention with `cpu_varlen`'s per-run SDPA calls; so does a float16 batch (or a head_dim above 256, or q/k/v whose
+head_dim is strided).
 """
 
 from __future__ import annotations
