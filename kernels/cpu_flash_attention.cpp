@@ -459,8 +459,9 @@ std::vector<Task> plan(const Problem& pb, int64_t nseq, int64_t threads) {
   int64_t total = 0;
   for (int64_t sidx = 0; sidx < nseq; ++sidx) {
     const int64_t len = pb.cu[sidx + 1] - pb.cu[sidx];
-    const auto [k0, k1] = key_range(pb, len, 0, len);
-    cost[sidx] = len * std::max<int64_t>(1, std::min(k1 - k0, pb.causal ? len / 2 + 1 : len));
+    const int64_t left = std::min(pb.left, len), right = pb.causal ? 0 : std::min(pb.right, len);
+    const int64_t keys = pb.causal && left == len ? len / 2 + 1 : std::min(len, left + right + 1);  // per row
+    cost[sidx] = len * std::max<int64_t>(1, keys);
     total += cost[sidx] * pb.hq;
   }
   const int64_t cap = threads > 1 ? std::max<int64_t>(1, total / (4 * threads)) : std::numeric_limits<int64_t>::max();
