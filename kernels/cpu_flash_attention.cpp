@@ -28,7 +28,7 @@
 #include <tuple>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -78,6 +78,35 @@ inline vf vload(const float* p) { vf x; __builtin_memcpy(&x, p, sizeof x); retur
 inline void vstore(float* p, vf x) { __builtin_memcpy(p, &x, sizeof x); }
 typedef int32_t vi __attribute__((vector_size(64)));
 
+// a float in every lane; lane-wise max / min. GCC splits 16-float vectors into halves well for arithmetic but turns their compares and
+// selects into scalar code without AVX-512, so these use the instructions of each width.
+#if defined(__AVX512F__)
+inline vf vsplat(float x) { return (vf)_mm512_set1_ps(x); }
+inline vf vmaxv(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
+inline vf vminv(vf a, vf b) { return (vf)_mm512_min_ps((__m512)a, (__m512)b); }
+#elif defined(__AVX2__)
+union Halves { vf v; __m256 h[2]; };
+inline vf vsplat(float x) {  // (GCC builds a 16-float splat of a runtime scalar on the stack, lane by lane)
+  Halves r;
+  r.h[0] = r.h[1] = _mm256_set1_ps(x);
+  return r.v;
+}
+inline vf vmaxv(vf a, vf b) {
+  Halves x{a}, y{b}, r;
+  for (int i = 0; i < 2; ++i) r.h[i] = _mm256_max_ps(x.h[i], y.h[i]);  // NaN in a: b
+  return r.v;
+}
+inline vf vminv(vf a, vf b) {
+  Halves x{a}, y{b}, r;
+  for (int i = 0; i < 2; ++i) r.h[i] = _mm256_min_ps(x.h[i], y.h[i]);
+  return r.v;
+}
+#else
+inline vf vsplat(float x) { return vf{} + x; }
+inline vf vmaxv(vf a, vf b) { return a > b ? a : b; }
+inline vf vminv(vf a, vf b) { return a < b ? a : b; }
+#endif
+
 // e^x lane by lane (Cephes' expf: 2^n times a degree-6 polynomial of the remainder; ~1 ulp); 0 below -87 (AVX-512:
 // below about -104, 2^n applied by vscalefps)
 #ifdef __AVX512F__
@@ -100,9 +129,8 @@ inline float vmax(vf x) { return _mm512_reduce_max_ps((__m512)x); }
 #else
 // e^x lane by lane (Cephes' expf: 2^n times a degree-6 polynomial of the remainder; ~1 ulp); 0 below -87
 inline vf vexp(vf x) {
-  const vf dead = x < -87.f ? vf{} + 1.f : vf{};
-  x = x < -87.f ? vf{} - 87.f : x;
-  x = x > 88.f ? vf{} + 88.f : x;
+  const vf live = vminv(vmaxv((x + 87.f) * 1e30f, vf{}), vf{} + 1.f);  // 0 at or below -87 (and -inf), else 1
+  x = vminv(vmaxv(x, vf{} - 87.f), vf{} + 88.f);
   const vf magic = vf{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
   const vf n = (x * 1.44269504088896341f + magic) - magic;
   x = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -116,7 +144,7 @@ inline vf vexp(vf x) {
   const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   vf scale;
   __builtin_memcpy(&scale, &bits, sizeof scale);
-  return dead != 0.f ? vf{} : p * scale;
+  return p * scale * live;
 }
 
 inline float vsum(vf x) { float t = 0.f; for (int64_t i = 0; i < VW; ++i) t += x[i]; return t; }
@@ -146,7 +174,7 @@ inline void scores(const float (*qf)[D], const float* kt, float (*s)[KB], int64_
     }
     for (int64_t r = 0; r < RG; ++r) {
       const float qv = qf[r0 + r][c];
-      for (int64_t x = 0; x < NV; ++x) acc[r][x] += qv * kc[x];
+      for (int64_t x = 0; x < NV; ++x) acc[r][x] += vsplat(qv) * kc[x];
     }
   }
   for (int64_t r = 0; r < RG; ++r)
@@ -159,7 +187,7 @@ inline void accumulate(float (*acc)[D], const float* vt, const float (*s)[KB], c
                        int64_t nk) {
   vf o[RP<D>][D / VW];
   for (int64_t r = 0; r < RP<D>; ++r)
-    for (int64_t x = 0; x < D / VW; ++x) o[r][x] = vload(&acc[r0 + r][x * VW]) * alpha[r0 + r];
+    for (int64_t x = 0; x < D / VW; ++x) o[r][x] = vload(&acc[r0 + r][x * VW]) * vsplat(alpha[r0 + r]);
   for (int64_t j = 0; j < nk; ++j) {
     vf vj[D / VW];
     for (int64_t x = 0; x < D / VW; ++x) {
@@ -169,7 +197,7 @@ inline void accumulate(float (*acc)[D], const float* vt, const float (*s)[KB], c
     }
     for (int64_t r = 0; r < RP<D>; ++r) {
       const float p = s[r0 + r][j];
-      for (int64_t x = 0; x < D / VW; ++x) o[r][x] += p * vj[x];
+      for (int64_t x = 0; x < D / VW; ++x) o[r][x] += vsplat(p) * vj[x];
     }
   }
   for (int64_t r = 0; r < RP<D>; ++r)
@@ -389,13 +417,13 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
         for (int64_t j = hi; j < width; ++j) sr[j] = NEG_INF;
       }
       vf mv = vload(sr);
-      for (int64_t x = 1; x < nv; ++x) { const vf u = vload(sr + x * VW); mv = mv > u ? mv : u; }
+      for (int64_t x = 1; x < nv; ++x) { const vf u = vload(sr + x * VW); mv = vmaxv(mv, u); }
       mnew[r] = std::max(m[r], vmax(mv));
     }
-    // how much each row's output and sum shrink, 16 rows at a time: e^(old max - new max); 1 while a row has none
+    // how much each row's output and sum shrink, 16 rows at a time: e^(old max - new max)
     for (int64_t r = 0; r < rows_padded; r += VW) {
-      const vf mn = vload(mnew + r);
-      vstore(alpha + r, mn == NEG_INF ? vf{} + 1.f : vexp(vload(m + r) - mn));
+      // a row with no key yet (max -inf) has nothing to shrink: its factor (0 here) multiplies zeros
+      vstore(alpha + r, vexp(vload(m + r) - vmaxv(vload(mnew + r), vf{} - std::numeric_limits<float>::max())));
     }
     // pass 2: the weights e^(s - max) (zeros for a row with no key here), added to the row's sum
     for (int64_t r = 0; r < rows_padded; ++r) {
@@ -405,11 +433,11 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
       } else {
         vf sv = {};
         for (int64_t x = 0; x < nv; ++x) {
-          const vf e = vexp(vload(sr + x * VW) - mnew[r]);
+          const vf e = vexp(vload(sr + x * VW) - vsplat(mnew[r]));
           vstore(sr + x * VW, e);
           sv += e;
         }
-        lv[r] = lv[r] * alpha[r] + sv;
+        lv[r] = lv[r] * vsplat(alpha[r]) + sv;
         m[r] = mnew[r];
       }
 #ifdef __AVX512BF16__

@@ -105,9 +105,8 @@ def prefer_cpu_flash(seq_lens: list[int]) -> bool:
     """Whether `auto` sends a CPU batch (without a bias) with these lengths here: wherever the kernel is built for
     AVX-512, at any length. A sweep of mean lengths 16-512 tokens (MiniLM 12 x 32 and BERT-base 12 x 64, float32 and
     bfloat16) found it 2-4x faster than `cpu_varlen` at every one, so the lengths, which `auto` passes for the rule
-    to use, decide nothing today. Its AVX2 build (no AVX-512, or torch capped at avx2) measured 8-20x slower than
-    `cpu_varlen` (GCC splits its 16-float vectors into scalar code there), so `auto` keeps those batches off it
-    (docs/benchmarks.md)."""
+    to use, decide nothing today. Its AVX2 build (no AVX-512, or torch capped at avx2) measured 1.6-4.6x slower than
+    `cpu_varlen` on one thread, so `auto` keeps those batches off it (docs/benchmarks.md)."""
     return len(seq_lens) > 0 and avx512_build() and load_kernel() is not None
 
 
