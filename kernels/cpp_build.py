@@ -11,6 +11,7 @@ caller says so in one warning line and takes its pure-PyTorch path.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -33,7 +34,7 @@ def isa_flags() -> list[str]:
     return _ISA_FLAGS.get(cap, ["-march=native"])
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -54,7 +55,7 @@ def build(source: str, prefix: str) -> tuple[ModuleType | None, str]:
     text = src.read_bytes()
     flags = ["-O3", "-fopenmp", *isa_flags()]  # -fopenmp: at::parallel_for (inline) runs on torch's OpenMP threads
     key = hashlib.sha256(b"\0".join([text, torch.__version__.encode(), " ".join(flags).encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
+                                     cpu_flags().encode()])).hexdigest()[:16]
     name = f"{prefix}_{key}"
     folder = cache_dir() / name
     try:
@@ -70,3 +71,17 @@ def build(source: str, prefix: str) -> tuple[ModuleType | None, str]:
     except Exception as exc:  # no compiler, no headers, a failed build: the caller's pure-torch path still serves
         detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
         return None, f"{type(exc).__name__}: {detail}"
+
+
+@functools.cache
+def cpu_ops() -> ModuleType | None:
+    """`kernels/cpu_ops.cpp` (add + LayerNorm, the int8 layer's passes) built for this host; None, said once in a
+    warning, where it cannot be built or `WDE_CPU_OPS=0` switches it off: its callers then take their PyTorch paths,
+    which compute the same, slower."""
+    if os.environ.get("WDE_CPU_OPS", "1").strip().lower() in ("0", "false", "off", "no"):
+        log.warning("cpu_ops: C++ kernels switched off (WDE_CPU_OPS=0); PyTorch ops run instead")
+        return None
+    module, why = build("cpu_ops.cpp", "wde_cpu_ops")
+    if module is None:
+        log.warning("cpu_ops: C++ kernels not built (%s); PyTorch ops run instead, slower", why)
+    return module

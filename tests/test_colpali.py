@@ -326,7 +326,8 @@ def test_a_batch_cut_over_cpu_streams_changes_nothing(folders: dict[str, Path], 
     every input's vectors are the ones it gets alone."""
     inputs = [x for i in range(6) for x in (QUERIES[i % len(QUERIES)] + f" {i}", page_image(30 + 17 * i, 44, seed=i))]
     with Engine.from_workflow(None, folders[family],
-                              runner={"params": {"cpu_streams": 2, "cpu_stream_min_tokens": 32}}) as engine:
+                              runner={"params": {"cpu_streams": 2, "cpu_stream_min_tokens": 32,
+                                                  "cpu_stream_max_mean_tokens": 100000}}) as engine:
         batches: list = []
         engine.on_batch = batches.append
         together = engine.encode(inputs)

@@ -164,7 +164,7 @@ def test_bf16_takes_the_dot_product_path_where_the_cpu_has_avx512_bf16(head_dim:
     """Under -march=native on a CPU with avx512_bf16, bf16 Q.K^T and P.V run as vdpbf16ps (P rounded to bf16); the
     result stays within two bf16 units of the float64 reference and close to the float32 path on the same inputs."""
     kernel = load_kernel()
-    flags = cpu_flash._cpu_flags().split()
+    flags = cpu_flash.cpu_flags().split()
     assert kernel.bf16_dot_products() == ("avx512_bf16" in flags and cpu_flash.isa_flags() == ["-march=native"])
     lens, q, k, v, mask = case(head_dim, torch.bfloat16, head_dim, 2, True)
     cu = torch.tensor([0] + lens).cumsum(0)

@@ -21,7 +21,8 @@ from wde.errors import WorkflowError
 from wde.request import PoolingParams as RequestPoolingParams
 
 TEXTS = varied_texts(120, seed=5)
-SPLIT_ALWAYS = ["runner.params.cpu_streams=2", "runner.params.cpu_stream_min_tokens=1"]
+SPLIT_ALWAYS = ["runner.params.cpu_streams=2", "runner.params.cpu_stream_min_tokens=1",
+                "runner.params.cpu_stream_max_mean_tokens=100000"]
 WHOLE = ["runner.params.cpu_streams=1"]
 
 
@@ -196,12 +197,26 @@ def test_split_pairs_keep_their_segment_ids(minilm_path: Path, split_calls: list
 
 def test_small_batches_run_whole(tiny_bert: Path, split_calls: list[int]) -> None:
     split_calls.clear()
-    with Engine.from_workflow("bert", tiny_bert, overrides=["runner.params.cpu_streams=2"],
+    with Engine.from_workflow("bert", tiny_bert, overrides=["runner.params.cpu_streams=2",
+                                                           "runner.params.cpu_stream_max_mean_tokens=100000"],
                               pooler={"params": {"pooling": "mean"}}) as engine:
         engine.embed(["a short text", "another one"])  # far under 2 x 256 tokens
         assert not split_calls
         engine.embed(TEXTS, truncate=True)  # batches of thousands of tokens
         assert split_calls
+
+
+def test_batches_of_long_sequences_run_whole(tiny_bert: Path, split_calls: list[int]) -> None:
+    """Sequences averaging `cpu_stream_max_mean_tokens` (default 64) or more run as one piece on every thread; a
+    batch of short ones is split."""
+    with Engine.from_workflow("bert", tiny_bert, overrides=["runner.params.cpu_streams=2",
+                                                           "runner.params.cpu_stream_min_tokens=1"],
+                              pooler={"params": {"pooling": "mean"}}) as engine:
+        split_calls.clear()
+        engine.embed([" ".join(["word"] * 100)] * 8)  # ~100 tokens each
+        assert not split_calls
+        engine.embed(["a short text number %d" % i for i in range(8)])  # ~8 tokens each
+        assert split_calls == [2]
 
 
 def test_a_failure_in_one_piece_costs_only_its_request(minilm_path: Path, minilm_engine: Engine) -> None:

@@ -246,7 +246,8 @@ def test_cpu_streams_and_packed_batches(minilm_path: Path) -> None:
         a = np.asarray(one.embed(TEXTS))
     with Engine.from_workflow("bert", minilm_path, quantization="int8",
                               overrides=["runner.params.cpu_streams=2",
-                                         "runner.params.cpu_stream_min_tokens=16"]) as two:
+                                         "runner.params.cpu_stream_min_tokens=16",
+                                         "runner.params.cpu_stream_max_mean_tokens=100000"]) as two:
         b = np.asarray(two.embed(TEXTS))
     np.testing.assert_allclose(a, b, atol=1e-5)
 

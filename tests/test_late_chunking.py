@@ -167,8 +167,9 @@ def test_spans_survive_a_batch_split_across_cpu_streams(minilm_path: Path, minil
     params = [PoolingParams(), PoolingParams(spans=((1, 5), (2, 9))), PoolingParams(outputs=("dense", TOKENS)),
               PoolingParams(spans=((0, 3),))]
     inputs = ["plain text here", ids, "more text", ids]
-    with Engine.from_workflow("bert", minilm_path, overrides=["runner.params.cpu_streams=2",
-                                                              "runner.params.cpu_stream_min_tokens=1"]) as split:
+    always_split = ["runner.params.cpu_streams=2", "runner.params.cpu_stream_min_tokens=1",
+                    "runner.params.cpu_stream_max_mean_tokens=100000"]
+    with Engine.from_workflow("bert", minilm_path, overrides=always_split) as split:
         requests = [split.make_request(x, p) for x, p in zip(inputs, params)]
         done = split.run(requests)
     for r, x, p in zip(requests, inputs, params):

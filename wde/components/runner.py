@@ -17,7 +17,8 @@ from wde.components.pooler import Pooled
 class TorchRunner(Runner):
     """Runs model + pooler under `inference_mode`. Only this code touches the device.
 
-    On CPU a batch of several sequences is split over `cpu_streams` (wde/components/cpu_streams.py)."""
+    On CPU a batch of several short sequences is split over `cpu_streams` (wde/components/cpu_streams.py); a batch
+    of long ones (`cpu_stream_max_mean_tokens`) runs whole on every thread."""
 
     kind = "runner"
     name = "torch"
@@ -29,6 +30,7 @@ class TorchRunner(Runner):
         self._pooler = ctx.pooler
         self.device: torch.device = ctx.model.device
         self._min_tokens = params.cpu_stream_min_tokens
+        self._max_mean = params.cpu_stream_max_mean_tokens
         self._streams: CpuStreams | None = None
         if self.device.type == "cpu":
             threads = torch.get_num_threads()
@@ -41,6 +43,8 @@ class TorchRunner(Runner):
         t0 = time.perf_counter()
         pieces = self._streams.count if self._streams else 1
         pieces = min(pieces, batch.num_seqs, batch.num_tokens // self._min_tokens)
+        if batch.num_tokens >= self._max_mean * batch.num_seqs:  # long sequences: one piece on every thread
+            pieces = 1
         if pieces > 1:
             pooled = Pooled.cat(self._streams.map(self._forward, batch.split(pieces)))
         else:

@@ -21,13 +21,8 @@ head_dim is strided).
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-from importlib import resources
-from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -38,67 +33,30 @@ from wde.components.attention.torch_sdpa import covering
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
 from wde.device import default_device
+from wde.kernels.cpp_build import build, cpu_flags, isa_flags
 
 log = logging.getLogger(__name__)
 
 SOURCE = "cpu_flash_attention.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 256  # the kernel's MAX_D
-_ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"], "default": []}
-
-
-def isa_flags() -> list[str]:
-    """Compiler flags for the instruction set the kernel targets: the host's own, or torch's cap when one is set."""
-    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
-    return _ISA_FLAGS.get(cap, ["-march=native"])
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("WDE_KERNEL_CACHE") or Path.home() / ".cache" / "wde" / "kernels")
-
 
 @functools.cache
 def load_kernel() -> ModuleType | None:
-    """The compiled kernel module, built on first use and cached on disk; None (said once) where it cannot be."""
+    """The compiled kernel module, built on first use and cached on disk (`wde.kernels.cpp_build`); None (said
+    once) where it cannot be."""
     if os.environ.get("WDE_CPU_FLASH", "1").strip().lower() in ("0", "false", "off", "no"):
         log.warning("cpu_flash_varlen: kernel switched off (WDE_CPU_FLASH=0); attention runs as cpu_varlen")
         return None
-    source = resources.files("wde.kernels").joinpath(SOURCE)
-    text = source.read_bytes()
-    flags = ["-O3", "-fopenmp", *isa_flags()]  # -fopenmp: at::parallel_for (inline) runs on torch's OpenMP threads
-    key = hashlib.sha256(b"\0".join([text, torch.__version__.encode(), " ".join(flags).encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
-    name = f"wde_cpu_flash_{key}"
-    build = cache_dir() / name
-    try:
-        from torch.utils.cpp_extension import load
-
-        if shutil.which("ninja") is None:  # the ninja wheel (a dependency) when its venv's bin/ is not on PATH
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        build.mkdir(parents=True, exist_ok=True)
-        with resources.as_file(source) as path:
-            return load(name, [str(path)], extra_cflags=flags, build_directory=str(build), verbose=False)
-    except Exception as exc:  # no compiler, no headers, a failed build: the pure-torch path still serves
-        log.warning("cpu_flash_varlen: kernel not built (%s: %s); attention runs as cpu_varlen",
-                    type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
-        return None
+    module, why = build(SOURCE, "wde_cpu_flash")
+    if module is None:  # no compiler, no headers, a failed build: the pure-torch path still serves
+        log.warning("cpu_flash_varlen: kernel not built (%s); attention runs as cpu_varlen", why)
+    return module
 
 
 def avx512_build() -> bool:
     """Whether the kernel is built for AVX-512: `-march=native` on a CPU with avx512f."""
-    return isa_flags() == ["-march=native"] and "avx512f" in _cpu_flags().split()
+    return isa_flags() == ["-march=native"] and "avx512f" in cpu_flags().split()
 
 
 def prefer_cpu_flash(seq_lens: list[int]) -> bool:

@@ -155,6 +155,10 @@ class PrefillModel(nn.Module, Model):
         """"torch" or "onednn": the path this model's linear layers take."""
         if self.linear_backend == "onednn":
             pack_linears(self, ctx.scheduler.token_budget)
+        if self.device.type == "cpu":  # build (or load) the CPU kernels now: a first build inside a batch would hold it
+            from wde.kernels.cpp_build import cpu_ops
+
+            cpu_ops()
 
     def _quantize(self, params: ModelParams, ctx: BuildContext) -> str:
         """Quantize the blocks' linear layers to int8 behind the fidelity gate (`quantization: int8`), or refuse by

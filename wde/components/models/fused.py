@@ -1,8 +1,12 @@
-"""Residual-add + norm steps that use the Triton kernels (`wde.kernels.fused_norm`) for CUDA tensors.
+"""Residual-add + norm steps that use the Triton kernels (`wde.kernels.fused_norm`) for CUDA tensors, and on CPU
+(post-norm `add_layer_norm`) the C++ kernel of `kernels/cpu_ops.cpp`.
 
 One kernel reads x and the residual once and writes the normalized result (and, for pre-norm blocks, the new
-residual) instead of torch's add, reduce, scale and cast passes. Other devices take the plain torch path, and
-the kernel module is imported only at the first CUDA call, so importing wde never defines a Triton kernel.
+residual) instead of torch's add, reduce, scale and cast passes. On CPU it covers what float32, int8 and bf16
+mixed-precision models pass it (x float32 or bfloat16, the residual and the norm's parameters float32: the result is
+float32, as PyTorch's type promotion makes it); anything else, or a host where the kernel is not built, takes the
+plain torch path. The Triton module is imported only at the first CUDA call, so importing wde never defines a
+Triton kernel.
 """
 
 from __future__ import annotations
@@ -17,7 +21,25 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) 
         from wde.kernels.fused_norm import add_layer_norm as fused
 
         return fused(x, residual, norm.weight, norm.bias, norm.eps)
+    if _cpu_fusable(x, residual, norm):
+        from wde.kernels.cpp_build import cpu_ops
+
+        kernel = cpu_ops()
+        if kernel is not None:
+            n = x.shape[-1]
+            out = kernel.add_layer_norm(x.reshape(-1, n).contiguous(), residual.reshape(-1, n).contiguous(),
+                                        norm.weight, norm.bias, norm.eps)
+            return out.view(x.shape)
     return norm(x + residual)
+
+
+def _cpu_fusable(x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> bool:
+    """Whether `add_layer_norm`'s CPU kernel computes exactly what `norm(x + residual)` would here (inference)."""
+    params = [p for p in (norm.weight, norm.bias) if p is not None]
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and residual.dtype == torch.float32
+            and x.shape == residual.shape and x.dim() >= 1 and tuple(norm.normalized_shape) == (x.shape[-1],)
+            and type(norm) is nn.LayerNorm and all(p.dtype == torch.float32 for p in params)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, residual, *params))))
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

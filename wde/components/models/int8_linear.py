@@ -83,16 +83,12 @@ ACTIVATIONS = {("none", ""): 0, ("gelu", "none"): 1, ("gelu", "tanh"): 2, ("relu
 kernel's code for them."""
 
 
-@functools.cache
 def int8_kernel() -> ModuleType | None:
-    """The compiled elementwise kernels (`kernels/int8_ops.cpp`), built once per host; None (said once) where they
-    cannot be, and `Int8Linear` computes the same in PyTorch ops."""
-    from wde.kernels.cpp_build import build
+    """The compiled elementwise kernels (`kernels/cpu_ops.cpp`, `wde.kernels.cpp_build.cpu_ops`), built once per
+    host; None where they cannot be, and `Int8Linear` computes the same in PyTorch ops."""
+    from wde.kernels.cpp_build import cpu_ops
 
-    module, why = build("int8_ops.cpp", "wde_int8_ops")
-    if module is None:
-        log.warning("int8: elementwise kernel not built (%s); quantization runs in PyTorch ops, slower", why)
-    return module
+    return cpu_ops()
 
 
 def quantize_rows(x: torch.Tensor, factor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

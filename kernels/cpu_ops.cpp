@@ -1,4 +1,11 @@
-// The elementwise halves of WDE's int8 linear layer (wde/components/models/int8_linear.py) on CPU, one pass each:
+// WDE's elementwise CPU kernels, one pass each where PyTorch takes several:
+//
+// add_layer_norm: LayerNorm(x + residual) for BERT's post-norm blocks (wde/components/models/fused.py): x float32 or
+//   bfloat16 (a mixed-precision linear's output), the residual, weight and bias float32, the sum and the statistics
+//   in float32 (two passes over the row while it sits in L1), float32 out: what `norm(x + residual)` computes after
+//   PyTorch's type promotion, without its separate cast, add and norm passes.
+//
+// The elementwise halves of WDE's int8 linear layer (wde/components/models/int8_linear.py):
 //
 // quantize_rows: x [rows, k] (float32 or bfloat16), times an optional per-channel factor (SmoothQuant's 1/s), is
 //   quantized per row to u8 with the row's own scale and zero point (asymmetric: the row's min..max onto 0..255), in
@@ -201,17 +208,96 @@ void dequantize_impl(float* yp, const float* sp, const float* zp, const float* c
   });
 }
 
+template <typename T>
+void add_layer_norm_impl(const T* x, const float* res, const float* w, const float* b, float eps, int64_t rows,
+                         int64_t n, float* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * n;
+      const float* rr = res + r * n;
+      float* o = out + r * n;
+      vf acc = {};
+      float tail = 0.f;
+      int64_t c = 0;
+      for (; c + VW <= n; c += VW) {
+        const vf h = vload(xr + c) + vload(rr + c);
+        vstore(o + c, h);
+        acc += h;
+      }
+      for (; c < n; ++c) {
+        o[c] = static_cast<float>(xr[c]) + rr[c];
+        tail += o[c];
+      }
+      float sum = tail;
+      for (int64_t i = 0; i < VW; ++i) sum += acc[i];
+      const float mean = sum / static_cast<float>(n);
+      vf sq = {};
+      float sqt = 0.f;
+      for (c = 0; c + VW <= n; c += VW) {
+        const vf d = vload(o + c) - mean;
+        sq += d * d;
+      }
+      for (; c < n; ++c) sqt += (o[c] - mean) * (o[c] - mean);
+      for (int64_t i = 0; i < VW; ++i) sqt += sq[i];
+      const float rstd = 1.f / std::sqrt(sqt / static_cast<float>(n) + eps);
+      for (c = 0; c + VW <= n; c += VW) {
+        vf v = (vload(o + c) - mean) * rstd;
+        if (w) v *= vload(w + c);
+        if (b) v += vload(b + c);
+        vstore(o + c, v);
+      }
+      for (; c < n; ++c) {
+        float v = (o[c] - mean) * rstd;
+        if (w) v *= w[c];
+        if (b) v += b[c];
+        o[c] = v;
+      }
+    }
+  });
+}
+
 }  // namespace
+
+// LayerNorm(x + residual) over the last dim: x [rows, n] float32 / bfloat16, residual [rows, n] float32 (both
+// contiguous), weight / bias [n] float32 or None. Returns a new float32 [rows, n] tensor.
+at::Tensor add_layer_norm(const at::Tensor& x, const at::Tensor& residual, const c10::optional<at::Tensor>& weight,
+                          const c10::optional<at::Tensor>& bias, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() &&
+              residual.sizes() == x.sizes() && residual.scalar_type() == at::kFloat,
+              "cpu_ops: x and a float32 residual of one shape, contiguous 2-d CPU tensors");
+  const int64_t rows = x.size(0), n = x.size(1);
+  const float* w = nullptr;
+  const float* b = nullptr;
+  for (const auto* t : {&weight, &bias}) {
+    if (t->has_value()) {
+      TORCH_CHECK((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() && (*t)->numel() == n,
+                  "cpu_ops: weight and bias must be contiguous float32 [n]");
+    }
+  }
+  if (weight.has_value()) w = weight->data_ptr<float>();
+  if (bias.has_value()) b = bias->data_ptr<float>();
+  at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kFloat) {
+    add_layer_norm_impl(x.data_ptr<float>(), residual.data_ptr<float>(), w, b, static_cast<float>(eps), rows, n,
+                        out.data_ptr<float>());
+  } else if (x.scalar_type() == at::kBFloat16) {
+    add_layer_norm_impl(x.data_ptr<c10::BFloat16>(), residual.data_ptr<float>(), w, b, static_cast<float>(eps), rows,
+                        n, out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(false, "cpu_ops: x must be float32 or bfloat16, got ", x.scalar_type());
+  }
+  return out;
+}
 
 // x [rows, k] float32 / bfloat16, contiguous; factor [k] float32 or None. Returns (q u8 [rows, k], scale [rows],
 // zero [rows]) with x * factor ~= scale * (q - zero) row by row.
 std::vector<at::Tensor> quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>& factor) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "int8_ops: x must be a contiguous 2-d CPU tensor");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "cpu_ops: x must be a contiguous 2-d CPU tensor");
   const int64_t rows = x.size(0), k = x.size(1);
   const float* f = nullptr;
   if (factor.has_value()) {
     TORCH_CHECK(factor->scalar_type() == at::kFloat && factor->is_contiguous() && factor->numel() == k,
-                "int8_ops: factor must be a contiguous float32 [k]");
+                "cpu_ops: factor must be a contiguous float32 [k]");
     f = factor->data_ptr<float>();
   }
   at::Tensor q = at::empty({rows, k}, x.options().dtype(at::kByte));
@@ -224,7 +310,7 @@ std::vector<at::Tensor> quantize_rows(const at::Tensor& x, const c10::optional<a
     quantize_impl(x.data_ptr<c10::BFloat16>(), f, rows, k, q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
                   zero.data_ptr<float>());
   } else {
-    TORCH_CHECK(false, "int8_ops: float32 or bfloat16 input only, got ", x.scalar_type());
+    TORCH_CHECK(false, "cpu_ops: float32 or bfloat16 input only, got ", x.scalar_type());
   }
   return {q, scale, zero};
 }
@@ -234,14 +320,14 @@ std::vector<at::Tensor> quantize_rows(const at::Tensor& x, const c10::optional<a
 at::Tensor dequantize_rows_(at::Tensor& y, const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& colsum,
                             const c10::optional<at::Tensor>& bias, int64_t act) {
   TORCH_CHECK(y.device().is_cpu() && y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat,
-              "int8_ops: y must be a contiguous float32 2-d CPU tensor");
+              "cpu_ops: y must be a contiguous float32 2-d CPU tensor");
   const int64_t rows = y.size(0), m = y.size(1);
-  TORCH_CHECK(scale.numel() == rows && zero.numel() == rows && colsum.numel() == m, "int8_ops: size mismatch");
-  TORCH_CHECK(act >= NONE && act <= RELU, "int8_ops: unknown activation ", act);
+  TORCH_CHECK(scale.numel() == rows && zero.numel() == rows && colsum.numel() == m, "cpu_ops: size mismatch");
+  TORCH_CHECK(act >= NONE && act <= RELU, "cpu_ops: unknown activation ", act);
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == m,
-                "int8_ops: bias must be a contiguous float32 [m]");
+                "cpu_ops: bias must be a contiguous float32 [m]");
     b = bias->data_ptr<float>();
   }
   float* yp = y.data_ptr<float>();
@@ -258,6 +344,7 @@ at::Tensor dequantize_rows_(at::Tensor& y, const at::Tensor& scale, const at::Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_layer_norm", &add_layer_norm, "LayerNorm(x + residual), float32 out (CPU)");
   m.def("quantize_rows", &quantize_rows, "per-row asymmetric u8 quantization (CPU)");
   m.def("dequantize_rows_", &dequantize_rows_, "per-row dequantization, bias and activation, in place (CPU)");
 }
