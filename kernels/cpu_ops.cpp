@@ -53,10 +53,8 @@ inline vf splat(float v) { return vf{} + v; }
 inline vf vround(vf x) { return (x + 12582912.f) - 12582912.f; }
 inline float sround(float x) { return (x + 12582912.f) - 12582912.f; }
 
-// e^x lane by lane (Cephes' expf: 2^n times a degree-6 polynomial of the remainder; ~1 ulp); 0 below -87
-inline vf vexp(vf x) {
-  const vf dead = x < -87.f ? splat(1.f) : vf{};
-  x = vmax(vmin(x, splat(88.f)), splat(-87.f));
+// e^x for x in [-87, 88] (no range checks): Cephes' expf, 2^n times a degree-6 polynomial of the remainder (~1 ulp)
+inline vf vexp_core(vf x) {
   const vf n = vround(x * 1.44269504088896341f);
   x = x - n * 0.693359375f + n * 2.12194440e-4f;
   vf p = splat(1.9875691500e-4f);
@@ -69,7 +67,14 @@ inline vf vexp(vf x) {
   const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   vf scale;
   __builtin_memcpy(&scale, &bits, sizeof scale);
-  return dead != 0.f ? vf{} : p * scale;
+  return p * scale;
+}
+
+// e^x lane by lane, any x: 0 below -87, clamped above 88
+inline vf vexp(vf x) {
+  const vf dead = x < -87.f ? splat(1.f) : vf{};
+  const vf e = vexp_core(vmax(vmin(x, splat(88.f)), splat(-87.f)));
+  return dead != 0.f ? vf{} : e;
 }
 
 // 1 / d: the hardware estimate and one Newton step (~1 ulp), instead of a division
@@ -93,23 +98,6 @@ inline vf vrcp(vf d) {
   return r * (2.f - d * r);
 }
 
-// e^x for x in [-87, 0] (no range checks): Cephes' expf as vexp
-inline vf vexp_neg(vf x) {
-  const vf n = vround(x * 1.44269504088896341f);
-  x = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
-  p = p * x + 1.3981999507e-3f;
-  p = p * x + 8.3334519073e-3f;
-  p = p * x + 4.1665795894e-2f;
-  p = p * x + 1.6666665459e-1f;
-  p = p * x + 5.0000001201e-1f;
-  p = p * x * x + x + 1.f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale;
-  __builtin_memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // erf(x): Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7), odd in x
 inline vf verf(vf x) {
   const vf a = vmin(x < 0.f ? -x : x, splat(4.f));  // erf(4) rounds to 1 in float
@@ -119,7 +107,7 @@ inline vf verf(vf x) {
   p = p * t + 1.421413741f;
   p = p * t - 0.284496736f;
   p = p * t + 0.254829592f;
-  const vf e = 1.f - p * t * vexp_neg(-a * a);
+  const vf e = 1.f - p * t * vexp_core(-a * a);  // -a^2 in [-16, 0]
   return x < 0.f ? -e : e;
 }
 
