@@ -251,14 +251,17 @@ def test_rerank_is_http_rerank_and_cross_encoder(reranker: tuple[Client, Path]) 
     assert max(abs(r.score - expected[r.index]) for r in got.ranks) <= TOL
     assert not any(r.HasField("text") for r in got.ranks)
     streamed = client.rerank.RerankStream(iter(tei_pb2.RerankStreamRequest(query=query, text=t) for t in texts))
-    assert [(r.index, r.score) for r in streamed.ranks] == [(r.index, r.score) for r in got.ranks]
+    # other batch shapes: the same scores up to float rounding (the batches are packed differently)
+    assert [r.index for r in streamed.ranks] == [r.index for r in got.ranks]
+    assert np.allclose([r.score for r in streamed.ranks], [r.score for r in got.ranks], rtol=1e-5, atol=1e-6)
     pair = client.predict.PredictPair(tei_pb2.PredictPairRequest(inputs=[query, texts[0]]))
     http = client.http("/predict", {"inputs": [query, texts[0]]})
     assert [(p.label, p.score) for p in pair.predictions] == [(p["label"], f32(p["score"])) for p in http]
     pairs = list(client.predict.PredictPairStream(iter(tei_pb2.PredictPairRequest(inputs=[query, t])
                                                        for t in texts)))
     by_index = {r.index: r.score for r in got.ranks}
-    assert [p.predictions[0].score for p in pairs] == [by_index[i] for i in range(len(texts))]
+    assert np.allclose([p.predictions[0].score for p in pairs], [by_index[i] for i in range(len(texts))], rtol=1e-5,
+                       atol=1e-6)
 
 
 def test_predict_is_http_predict(classifier: Client) -> None:
