@@ -73,15 +73,22 @@ def build(source: str, prefix: str) -> tuple[ModuleType | None, str]:
         return None, f"{type(exc).__name__}: {detail}"
 
 
+def load(source: str, prefix: str, switch: str, what: str, instead: str) -> ModuleType | None:
+    """`build(source, prefix)` unless the environment variable `switch` is 0/false/off/no; None, said in one
+    warning line ("{what} switched off" / "{what} not built", then what runs `instead`), where it is switched off or
+    cannot be built. Callers cache it (`functools.cache`) so the line comes once."""
+    if os.environ.get(switch, "1").strip().lower() in ("0", "false", "off", "no"):
+        log.warning("%s switched off (%s=0); %s", what, switch, instead)
+        return None
+    module, why = build(source, prefix)
+    if module is None:
+        log.warning("%s not built (%s); %s", what, why, instead)
+    return module
+
+
 @functools.cache
 def cpu_ops() -> ModuleType | None:
-    """`kernels/cpu_ops.cpp` (add + LayerNorm, the int8 layer's passes) built for this host; None, said once in a
-    warning, where it cannot be built or `WDE_CPU_OPS=0` switches it off: its callers then take their PyTorch paths,
-    which compute the same, slower."""
-    if os.environ.get("WDE_CPU_OPS", "1").strip().lower() in ("0", "false", "off", "no"):
-        log.warning("cpu_ops: C++ kernels switched off (WDE_CPU_OPS=0); PyTorch ops run instead")
-        return None
-    module, why = build("cpu_ops.cpp", "wde_cpu_ops")
-    if module is None:
-        log.warning("cpu_ops: C++ kernels not built (%s); PyTorch ops run instead, slower", why)
-    return module
+    """`kernels/cpu_ops.cpp` (add + LayerNorm, the int8 layer's passes) built for this host; None (said once) where
+    it cannot be built or `WDE_CPU_OPS=0` switches it off: its callers then take their PyTorch paths, which compute
+    the same, slower."""
+    return load("cpu_ops.cpp", "wde_cpu_ops", "WDE_CPU_OPS", "cpu_ops: C++ kernels", "PyTorch ops run instead")

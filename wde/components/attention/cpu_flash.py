@@ -21,8 +21,6 @@ head_dim is strided).
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from types import ModuleType
 
 import torch
@@ -33,9 +31,8 @@ from wde.components.attention.torch_sdpa import covering
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
 from wde.device import default_device
-from wde.kernels.cpp_build import build, cpu_flags, isa_flags
+from wde.kernels.cpp_build import cpu_flags, isa_flags, load
 
-log = logging.getLogger(__name__)
 
 SOURCE = "cpu_flash_attention.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
@@ -44,14 +41,8 @@ MAX_HEAD_DIM = 256  # the kernel's MAX_D
 @functools.cache
 def load_kernel() -> ModuleType | None:
     """The compiled kernel module, built on first use and cached on disk (`wde.kernels.cpp_build`); None (said
-    once) where it cannot be."""
-    if os.environ.get("WDE_CPU_FLASH", "1").strip().lower() in ("0", "false", "off", "no"):
-        log.warning("cpu_flash_varlen: kernel switched off (WDE_CPU_FLASH=0); attention runs as cpu_varlen")
-        return None
-    module, why = build(SOURCE, "wde_cpu_flash")
-    if module is None:  # no compiler, no headers, a failed build: the pure-torch path still serves
-        log.warning("cpu_flash_varlen: kernel not built (%s); attention runs as cpu_varlen", why)
-    return module
+    once) where it cannot be built or `WDE_CPU_FLASH=0` switches it off."""
+    return load(SOURCE, "wde_cpu_flash", "WDE_CPU_FLASH", "cpu_flash_varlen: kernel", "attention runs as cpu_varlen")
 
 
 def avx512_build() -> bool:
