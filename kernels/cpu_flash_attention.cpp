@@ -267,6 +267,12 @@ constexpr bool HAS_DPBF16 = false;
 #endif
 
 inline uint16_t bf16_bits(const c10::BFloat16& x) { return x.x; }
+inline uint16_t bf16_bits(float x) { return c10::BFloat16(x).x; }  // rounded to nearest even
+// dimensions 2c, 2c+1 of a row as one pair of bf16 (the low half first, as vdpbf16ps reads them)
+inline uint32_t bf16_pair(const c10::BFloat16* p, int64_t c) { return reinterpret_cast<const uint32_t*>(p)[c]; }
+inline uint32_t bf16_pair(const float* p, int64_t c) {
+  return static_cast<uint32_t>(bf16_bits(p[2 * c])) | (static_cast<uint32_t>(bf16_bits(p[2 * c + 1])) << 16);
+}
 
 // f(std::integral_constant<int64_t, nv>) for nv in 1 .. KB / VW: kernels specialized for a tile's first nv * VW keys
 template <typename F>
@@ -296,7 +302,7 @@ void load_kv(const Problem& pb, const Packed<const scalar_t>& k, const Packed<co
     if (kv.bias[j] != 0.f) kv.masked[j / KB] = 1;
   }
   if constexpr (DP) {
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    {
       kv.k2.resize(tiles * (d / 2) * KB);
       kv.v2.resize(tiles * (KB / 2) * d);
       for (int64_t j = n; j < kpad; ++j) {  // keys past the range that are read: zeros (0 times a stale NaN is NaN)
@@ -306,9 +312,9 @@ void load_kv(const Problem& pb, const Packed<const scalar_t>& k, const Packed<co
         for (int64_t c = 0; c < d; ++c) vt[2 * c] = 0;
       }
       for (int64_t j = 0; j < n; ++j) {
-        const uint32_t* ks = reinterpret_cast<const uint32_t*>(k.row(start + kc0 + j, kvh));
+        const scalar_t* ks = k.row(start + kc0 + j, kvh);
         uint32_t* kt = kv.k2.data() + (j / KB) * (d / 2) * KB + j % KB;
-        for (int64_t c = 0; c < d / 2; ++c) kt[c * KB] = ks[c];
+        for (int64_t c = 0; c < d / 2; ++c) kt[c * KB] = bf16_pair(ks, c);
         const scalar_t* vs = v.row(start + kc0 + j, kvh);
         uint16_t* vt = reinterpret_cast<uint16_t*>(kv.v2.data() + (j / 2) * d) + (j & 1);
         for (int64_t c = 0; c < d; ++c) vt[2 * c] = bf16_bits(vs[c]);
@@ -354,10 +360,7 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
   for (int64_t r = 0; r < rows_padded; ++r) {
     const scalar_t* src = r < rows ? q.row(start + q0 + r, head) : nullptr;
     if constexpr (DP) {
-      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        for (int64_t c = 0; c < d / 2; ++c)
-          q2[r][c] = src ? reinterpret_cast<const uint32_t*>(src)[c] : 0u;
-      }
+      for (int64_t c = 0; c < d / 2; ++c) q2[r][c] = src ? bf16_pair(src, c) : 0u;
     } else {
       for (int64_t c = 0; c < d; ++c) qf[r][c] = src ? static_cast<float>(src[c]) * pb.scale : 0.f;
     }
@@ -534,10 +537,9 @@ void run(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::
   });
 }
 
-template <typename scalar_t>
+template <typename scalar_t, bool DP>
 void dispatch_dim(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                   int64_t nseq) {
-  constexpr bool DP = HAS_DPBF16 && std::is_same_v<scalar_t, c10::BFloat16>;
   switch (pb.d) {
     case 32: return run<scalar_t, 32, DP>(pb, q, k, v, out, nseq);
     case 64: return run<scalar_t, 64, DP>(pb, q, k, v, out, nseq);
@@ -550,9 +552,11 @@ void dispatch_dim(const Problem& pb, const at::Tensor& q, const at::Tensor& k, c
 
 // q [tokens, hq, d], k/v [tokens, hk, d] (unit stride on d), cu_seqlens int64 [seqs + 1] on CPU, key_mask bool
 // [tokens] or None, window (left, right) with -1 for none. Returns a new [tokens, hq, d] tensor of q's dtype.
+// bf16_products: float32 q/k/v take the bf16 dot-product path too (rounded to bf16 as they are loaded; the softmax
+// and the outputs stay float32), where this build has it (bf16_dot_products()); else it changes nothing.
 at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
                             const c10::optional<at::Tensor>& key_mask, bool causal, int64_t left, int64_t right,
-                            double scale) {
+                            double scale, bool bf16_products) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "cpu_flash: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "cpu_flash: q/k/v must be [tokens, heads, head_dim]");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "cpu_flash: mixed dtypes");
@@ -574,10 +578,12 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const Problem pb{cu, km, q.size(1), k.size(1), q.size(2), left < 0 ? NONE : left, right < 0 ? NONE : right,
                    causal, static_cast<float>(scale)};
   at::Tensor out = at::empty(q.sizes(), q.options());
-  if (q.scalar_type() == at::kFloat) {
-    dispatch_dim<float>(pb, q, k, v, out, nseq);
+  if (q.scalar_type() == at::kFloat && bf16_products && HAS_DPBF16) {
+    dispatch_dim<float, HAS_DPBF16>(pb, q, k, v, out, nseq);
+  } else if (q.scalar_type() == at::kFloat) {
+    dispatch_dim<float, false>(pb, q, k, v, out, nseq);
   } else if (q.scalar_type() == at::kBFloat16) {
-    dispatch_dim<c10::BFloat16>(pb, q, k, v, out, nseq);
+    dispatch_dim<c10::BFloat16, HAS_DPBF16>(pb, q, k, v, out, nseq);
   } else {
     TORCH_CHECK(false, "cpu_flash: float32 or bfloat16 only, got ", q.scalar_type());
   }
@@ -610,7 +616,9 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> plan_tasks(const at:
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("varlen_attention", &varlen_attention, "packed varlen attention (CPU, float32 / bfloat16)");
+  m.def("varlen_attention", &varlen_attention, "packed varlen attention (CPU, float32 / bfloat16)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens"), py::arg("key_mask"), py::arg("causal"),
+        py::arg("left"), py::arg("right"), py::arg("scale"), py::arg("bf16_products") = false);
   m.def("bf16_dot_products", &bf16_dot_products, "whether bf16 inputs take the AVX512-BF16 dot-product path");
   m.def("parallel_workers", &parallel_workers, "how many threads run the kernel's tasks");
   m.def("plan_tasks", &plan_tasks, "the (sequence, head, first block, end block) tasks of a call, in order");

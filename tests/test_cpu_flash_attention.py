@@ -2,7 +2,7 @@
 batches (lengths 1..600, causal or not, windows, key masks with rows left without a key, GQA, float32 and bfloat16),
 falls back to `cpu_varlen` where its kernel is switched off or cannot be built, stays correct when built for AVX2
 under torch's AVX2 cap and on any thread count (a long sequence split across threads), takes the bf16 dot-product
-path where the CPU has AVX512-BF16, is what `auto` picks on CPU, and MiniLM served with it matches
+path where the CPU has AVX512-BF16 (float32 inputs too when asked: an int8 model's), is what `auto` picks on CPU, and MiniLM served with it matches
 sentence-transformers."""
 
 from __future__ import annotations
@@ -178,6 +178,33 @@ def test_bf16_takes_the_dot_product_path_where_the_cpu_has_avx512_bf16(head_dim:
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim", [32, 64, 48])
+def test_float32_inputs_take_bf16_products_when_asked(head_dim: int) -> None:
+    """`bf16_products` (an int8 model's attention): float32 q/k/v are rounded to bf16 as they are read and take the
+    dot-product path, float32 out, within the bf16 path's bound; where the build has no such path (no AVX512-BF16,
+    or head_dim 48), the call is the float32 one, bit for bit. Through the backend: off until `use_bf16_products`,
+    which says whether it took."""
+    kernel = load_kernel()
+    lens, q, k, v, mask = case(head_dim + 1, torch.float32, head_dim, 2, True)
+    cu = torch.tensor([0] + lens).cumsum(0)
+    exact = kernel.varlen_attention(q, k, v, cu, mask, False, -1, -1, head_dim ** -0.5)
+    out = kernel.varlen_attention(q, k, v, cu, mask, False, -1, -1, head_dim ** -0.5, True)
+    assert out.dtype == torch.float32
+    if kernel.bf16_dot_products() and head_dim != 48:
+        rounded = [x.bfloat16() for x in (q, k, v)]
+        expected = reference(*rounded, lens, False, None, mask, head_dim ** -0.5)
+        assert float((out.double() - expected).abs().max()) <= tolerance(torch.bfloat16, expected)
+        assert not torch.equal(out, exact)
+    else:
+        assert torch.equal(out, exact)
+    backend = bare_backend(CpuFlashVarlenBackend)
+    meta = backend.build_metadata(with_mask(lens, mask), False)
+    assert torch.equal(backend.forward(q, k, v, meta, head_dim ** -0.5), exact)
+    assert backend.use_bf16_products() == kernel.bf16_dot_products()
+    assert torch.equal(backend.forward(q, k, v, meta, head_dim ** -0.5), out)
+
+
+@needs_kernel
 def test_a_query_whose_only_causal_key_is_masked_outputs_zeros() -> None:
     lens = [5, 1, 3]
     mask = torch.tensor([False, True, True, True, True, False, False, True, True])
@@ -284,6 +311,8 @@ for dtype in (torch.float32, torch.bfloat16):
         out = kernel.varlen_attention(q, k, v, cu, mask, causal, *(window or (-1, -1)), 0.125)
         expected = reference(q, k, v, lens, causal, window, mask, 0.125)
         assert float((out.double() - expected).abs().max()) <= tolerance(dtype, expected), (dtype, causal, window)
+        asked = kernel.varlen_attention(q, k, v, cu, mask, causal, *(window or (-1, -1)), 0.125, True)
+        assert torch.equal(asked, out)  # no bf16 dot products in this build: bf16_products changes nothing
 print("ok", torch.backends.cpu.get_cpu_capability())
 """
     run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,

@@ -19,6 +19,7 @@ from torch import nn
 from tests.tiny_heads import build_minilm_classifier
 from tests.tiny_models import build_xlmr, varied_texts
 from wde import Engine
+from wde.components.attention.cpu_flash import load_kernel
 from wde.components.models import int8_linear
 from wde.components.models.int8_linear import Int8Linear, int8_unsupported
 from wde.errors import ModelLoadError
@@ -65,6 +66,10 @@ def test_minilm_int8_against_float32(minilm_path: Path) -> None:
         ref = np.asarray(e32.embed(TEXTS))
     with Engine.from_workflow("bert", minilm_path, quantization="int8") as e8:
         assert int8_layers(e8) >= 12  # qkv, attention out and MLP up of 6 layers at least
+        # attention takes bf16 products where bf16 is native and the kernel has them (the gate measured them)
+        kernel = load_kernel()
+        native = int8_linear.bf16_pays() and kernel is not None and kernel.bf16_dot_products()
+        assert e8.components["attention"].bf16_products == native
         got = np.asarray(e8.embed(TEXTS))
     low, mean = fidelity(ref, got)
     overlap = top10_overlap(ref, got)

@@ -38,6 +38,10 @@ class AutoBackend(AttentionBackend):
 
             self._cuda = TritonVarlenBackend(params, ctx)
 
+    def use_bf16_products(self) -> bool:
+        self.bf16_products = self._cpu_flash.use_bf16_products()
+        return self.bf16_products
+
     def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None,
                        window: Window | None = None) -> AttentionMetadata:
         if batch.input_ids.is_cuda:

@@ -119,10 +119,19 @@ class AttentionBackend(Attention):
     """Whether the backend honours a batch's `key_mask` (see `check_key_mask`). The mask comes with the batch, not
     the model, so a backend that leaves it False refuses such a batch in `build_metadata` (by name) rather than
     attend the masked keys; `auto` must not route a masked batch to it."""
+    bf16_products: bool = False
+    """Whether float32 q/k/v take bfloat16 dot products (an instance's, once `use_bf16_products` turns it on)."""
 
     def __init__(self, params: AttentionParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
         self._config_causal = self._causal_from_config(ctx.source.hf_config)
+
+    def use_bf16_products(self) -> bool:
+        """Let float32 q/k/v take bfloat16 dot products from now on (rounded to bf16 as they are read; the softmax
+        and the output stay float32), where the backend has such a path; returns whether it has. A float32 model
+        never asks: an int8 model does (`PrefillModel._quantize`), before its fidelity gate measures what it
+        serves. Only `cpu_flash_varlen` has one (and `auto`, for the batches it sends there)."""
+        return False
 
     @staticmethod
     def _causal_from_config(cfg: Any) -> bool | None:

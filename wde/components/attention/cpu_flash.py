@@ -7,7 +7,8 @@ work), converts each task's reachable keys and values once, and walks each block
 online softmax: no padding, no gather, no per-sequence call, no [len, len] score matrix. float32 and bfloat16 (bf16
 products as vdpbf16ps where the CPU has AVX512-BF16, else widened to float; the softmax in float); causal or
 bidirectional, local windows (only the keys in reach are read) and key masks; a query row left with no key outputs
-zeros, as on every backend.
+zeros, as on every backend. float32 inputs take the bf16 products too once `use_bf16_products` is called (an int8
+model's attention: its q/k/v are rounded to bf16 as the kernel reads them).
 
 The kernel is compiled once per host by `torch.utils.cpp_extension` (gcc, no download) into a cache folder
 (`WDE_KERNEL_CACHE`, default `~/.cache/wde/kernels`), keyed by the source, torch's version, the instruction set it
@@ -71,6 +72,11 @@ class CpuFlashVarlenBackend(CpuVarlenBackend):
         if default_device().type == "cpu":
             load_kernel()
 
+    def use_bf16_products(self) -> bool:
+        kernel = load_kernel() if default_device().type == "cpu" else None
+        self.bf16_products = kernel is not None and kernel.bf16_dot_products()
+        return self.bf16_products
+
     def build_metadata(self, batch: ModelInput, causal: bool, bias: torch.Tensor | None = None,
                        window: Window | None = None) -> AttentionMetadata:
         if bias is not None:  # supports_bias is False: models that need one refuse this backend at build time
@@ -100,4 +106,5 @@ class CpuFlashVarlenBackend(CpuVarlenBackend):
             return super().forward(q, k, v, inner, scale)
         kernel = load_kernel()
         assert kernel is not None  # metadata of this shape is only built with the kernel loaded
-        return kernel.varlen_attention(q, k, v, cu, key_mask, meta.causal, left, right, float(scale))
+        return kernel.varlen_attention(q, k, v, cu, key_mask, meta.causal, left, right, float(scale),
+                                       self.bf16_products)

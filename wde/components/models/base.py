@@ -166,6 +166,7 @@ class PrefillModel(nn.Module, Model):
         if params.quantization == "none":
             return "none"
         from wde.components.models.int8_gate import run_gate
+        from wde.components.models import int8_linear
         from wde.components.models.int8_linear import block_linears, int8_unsupported
 
         if self.device.type != "cpu" or self.dtype != torch.float32:
@@ -179,8 +180,11 @@ class PrefillModel(nn.Module, Model):
             raise ModelLoadError(f"quantization=int8: {unsupported}; use quantization: none")
         if not block_linears(self):
             raise ModelLoadError(f"quantization=int8: model {self.name!r} has no linear layers in repeated blocks")
+        # attention's products in bf16 where bf16 is native; the gate measures them (and keys its verdict on them)
+        bf16_attention = int8_linear.bf16_pays() and self.attn_backend.use_bf16_products()
         run_gate(self, ctx.tokenizer, ctx.source.path, ctx.scheduler.token_budget, params.min_cosine,
-                 params.min_mean_cosine, params.calibration, pools=self.pools)
+                 params.min_mean_cosine, params.calibration, pools=self.pools,
+                 variant=f"attention bf16 products {bf16_attention}")
         return "int8"
 
     def before_packing(self, ctx: BuildContext) -> None:

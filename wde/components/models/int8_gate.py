@@ -119,8 +119,9 @@ def text_vectors(model: nn.Module, batch: ModelInput, pools: bool) -> torch.Tens
     return torch.stack([out[a:b].mean(0) for a, b in zip(bounds[:-1], bounds[1:])])
 
 
-def gate_key(model_path: Path, texts: list[str], thresholds: tuple[float, float]) -> str:
-    """What the verdict depends on: the host, the model's files (names, sizes, times) and the probe texts."""
+def gate_key(model_path: Path, texts: list[str], thresholds: tuple[float, float], variant: str = "") -> str:
+    """What the verdict depends on: the host, the model's files (names, sizes, times), the probe texts and the
+    float paths around the int8 layers (`variant`)."""
     h = hashlib.sha256()
     for f in sorted(p for p in Path(model_path).rglob("*") if p.is_file()):
         st = f.stat()
@@ -128,13 +129,14 @@ def gate_key(model_path: Path, texts: list[str], thresholds: tuple[float, float]
     h.update("\n".join(texts).encode())
     h.update(repr(int8_linear.SCALE_CORRUPTION).encode())  # the test hook's corrupted scales are another model
     # the thresholds decide which layers stay float, and bf16_pays in which dtype they do
-    h.update(f"{thresholds}|{int8_linear.SMOOTHING_ALPHA}|{int8_linear.bf16_pays()}|{int8_linear.SCHEME}".encode())
+    h.update(f"{thresholds}|{int8_linear.SMOOTHING_ALPHA}|{int8_linear.bf16_pays()}|{int8_linear.SCHEME}|{variant}"
+             .encode())
     return f"{host_key()}|int8-gate|{Path(model_path).resolve()}|{h.hexdigest()[:16]}"
 
 
 def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, min_cosine: float,
              min_mean_cosine: float, calibration: str | None,
-             pools: bool = False) -> tuple[float, float, frozenset[str]]:
+             pools: bool = False, variant: str = "") -> tuple[float, float, frozenset[str]]:
     """Quantize `model`'s block linear layers behind the fidelity gate; returns (min cosine, mean cosine, kinds
     kept float), or raises ModelLoadError when the minimum stays below `min_cosine` or the mean below `min_mean_cosine`.
 
@@ -142,7 +144,7 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
     all-int8 falls short, the layer kinds (`kind_of`) that bring the minimum up most are kept float, one at a time,
     by measurement, at most half of them; a model short of the threshold then is refused."""
     texts = read_calibration(calibration) if calibration else list(PROBE_TEXTS)
-    key = gate_key(model_path, texts, (min_cosine, min_mean_cosine))
+    key = gate_key(model_path, texts, (min_cosine, min_mean_cosine), variant)
     originals = block_linears(model)
     acts = fusible_activations(model, originals)
     kinds = sorted({kind_of(n) for n in originals})
