@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,7 +139,7 @@ def test_cross_encoder_ranking(minilm_path: Path, tmp_path: Path) -> None:
 @needs_vnni
 def test_gate_refuses_corrupted_scales(minilm_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(int8_linear, "SCALE_CORRUPTION", 1.5)
-    with pytest.raises(ModelLoadError, match=r"min cosine of 0\.\d+ to float32 .*below min_cosine 0.99"):
+    with pytest.raises(ModelLoadError, match=r"fall short of float32.s: min cosine 0\.\d+ < min_cosine 0.99"):
         Engine.from_workflow("bert", minilm_path, quantization="int8")
 
 
@@ -175,10 +176,20 @@ def test_gate_result_is_cached(minilm_path: Path, tmp_path: Path, caplog: pytest
 
 
 @needs_vnni
+def test_gate_names_the_threshold_missed(minilm_path: Path) -> None:
+    """A mean below min_mean_cosine with the minimum above min_cosine names the mean alone."""
+    with pytest.raises(ModelLoadError) as err:
+        Engine.from_workflow("bert", minilm_path, quantization="int8",
+                             overrides=["model.params.min_cosine=0.5", "model.params.min_mean_cosine=1.0"])
+    assert re.search(r"short of float32's: mean cosine 0\.\d+ < min_mean_cosine 1.0 \(min 0\.\d+", str(err.value))
+    assert "< min_cosine" not in str(err.value)
+
+
+@needs_vnni
 def test_calibration_file_and_min_cosine(minilm_path: Path, tmp_path: Path) -> None:
     calib = tmp_path / "calib.txt"
     calib.write_text("\n".join(varied_texts(20, seed=9)) + "\n\n")
-    with pytest.raises(ModelLoadError, match="min cosine .*measured on 20 texts.*below min_cosine 1.0"):
+    with pytest.raises(ModelLoadError, match=r"min cosine 0\.\d+ < min_cosine 1.0.*measured on 20 texts"):
         Engine.from_workflow("bert", minilm_path, quantization="int8",
                              overrides=[f"model.params.calibration={calib}", "model.params.min_cosine=1.0"])
     empty = tmp_path / "empty.txt"
@@ -240,7 +251,7 @@ def test_cli_embed_flags(minilm_path: Path, tmp_path: Path) -> None:
                                       "--min-cosine", "1",
                                       "--calibration", str(src)])
     assert res.exit_code == 1
-    assert "below min_cosine 1.0" in res.output and "measured on 40 texts" in res.output
+    assert "< min_cosine 1.0" in res.output and "measured on 40 texts" in res.output
 
 
 @needs_vnni

@@ -177,10 +177,11 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
     dtype = "bfloat16" if int8_linear.bf16_pays() else "float32"
     floats = f"; kept in {dtype}: {', '.join(sorted(keep))}" if keep else ""
     if low < min_cosine or mean < min_mean_cosine:
-        raise ModelLoadError(f"quantization=int8: the int8 model's vectors reach a min cosine of {low:.4f} to"
-                             f" float32 (mean {mean:.4f}, {source}{floats}), below min_cosine {min_cosine} (mean:"
-                             f" min_mean_cosine {min_mean_cosine}); serve it in float32 or bfloat16, or lower the"
-                             " threshold if that is acceptable")
+        short = [f"min cosine {low:.5f} < min_cosine {min_cosine}"] if low < min_cosine else []
+        short += [f"mean cosine {mean:.5f} < min_mean_cosine {min_mean_cosine}"] if mean < min_mean_cosine else []
+        raise ModelLoadError(f"quantization=int8: the int8 model's vectors fall short of float32's: {'; '.join(short)}"
+                             f" (min {low:.5f}, mean {mean:.5f}, {source}{floats}); serve it in float32 or bfloat16,"
+                             " or lower the threshold if that is acceptable")
     log.info("int8 fidelity gate passed: min cosine %.5f, mean %.5f to float32 (%s, thresholds %s / %s%s)", low,
              mean, source, min_cosine, min_mean_cosine, floats)
     return low, mean, keep
