@@ -1,10 +1,10 @@
 """Building WDE's C++ CPU kernels (`kernels/*.cpp`, installed as `wde/kernels/`) on the host that runs them.
 
 `build(source, what)` compiles one source with `torch.utils.cpp_extension` (gcc and ninja, nothing downloaded) into a
-cache folder (`WDE_KERNEL_CACHE`, default `~/.cache/wde/kernels`), keyed by the source, torch's version, the
-instruction set it targets and the CPU's flags, with `-fopenmp` (`at::parallel_for` is inline: without OpenMP a
-kernel's tasks all run on the calling thread), so each host compiles each kernel once (about 30 s) and later starts
-load it. The instruction set is the host's own (`-march=native`), or AVX2 when `ATEN_CPU_CAPABILITY` caps torch at
+cache folder (`WDE_KERNEL_CACHE`, default `~/.cache/wde/kernels`), keyed by the source and the headers beside it
+(`kernels/*.h`), torch's version, the instruction set it targets and the CPU's flags, with `-fopenmp`
+(`at::parallel_for` is inline: without OpenMP a kernel's tasks all run on the calling thread), so each host compiles
+each kernel once (about 30 s) and later starts load it. The instruction set is the host's own (`-march=native`), or AVX2 when `ATEN_CPU_CAPABILITY` caps torch at
 avx2 (plain x86-64 for `default`). Where a kernel cannot be built (no compiler, no headers) it returns None and its
 caller says so in one warning line and takes its pure-PyTorch path.
 """
@@ -51,8 +51,11 @@ def cache_dir() -> Path:
 def build(source: str, prefix: str) -> tuple[ModuleType | None, str]:
     """(module, "") with `source` (a file of `wde.kernels`) compiled for this host and loaded, or (None, why) where
     it cannot be built."""
-    src = resources.files("wde.kernels").joinpath(source)
-    text = src.read_bytes()
+    package = resources.files("wde.kernels")
+    src = package.joinpath(source)
+    # the headers the sources include (kernels/*.h, next to them) are part of what is built
+    text = b"\0".join([src.read_bytes(), *(h.read_bytes() for h in sorted(package.iterdir(), key=lambda f: f.name)
+                                           if h.name.endswith(".h"))])
     flags = ["-O3", "-fopenmp", *isa_flags()]  # -fopenmp: at::parallel_for (inline) runs on torch's OpenMP threads
     key = hashlib.sha256(b"\0".join([text, torch.__version__.encode(), " ".join(flags).encode(),
                                      cpu_flags().encode()])).hexdigest()[:16]

@@ -20,6 +20,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_exp.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -111,18 +113,9 @@ inline vf vminv(vf a, vf b) { return a < b ? a : b; }
 // below about -104, 2^n applied by vscalefps)
 #ifdef __AVX512F__
 inline vf vexp(vf xv) {
-  __m512 x = _mm512_min_ps(_mm512_max_ps((__m512)xv, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.f));  // -inf too
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, x), x, _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  return (vf)_mm512_scalef_ps(p, n);
+  const __m512 x = _mm512_min_ps(_mm512_max_ps((__m512)xv, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.f));  // -inf too
+  const __m512 n = _mm512_roundscale_ps(x * wde_exp::LOG2E, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return (vf)_mm512_scalef_ps(wde_exp::exp_remainder(wde_exp::exp_reduce(x, n)), n);
 }
 inline float vsum(vf x) { return _mm512_reduce_add_ps((__m512)x); }
 inline float vmax(vf x) { return _mm512_reduce_max_ps((__m512)x); }
@@ -132,15 +125,8 @@ inline vf vexp(vf x) {
   const vf live = vminv(vmaxv((x + 87.f) * 1e30f, vf{}), vf{} + 1.f);  // 0 at or below -87 (and -inf), else 1
   x = vminv(vmaxv(x, vf{} - 87.f), vf{} + 88.f);
   const vf magic = vf{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  const vf n = (x * 1.44269504088896341f + magic) - magic;
-  x = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vf p = vf{} + 1.9875691500e-4f;
-  p = p * x + 1.3981999507e-3f;
-  p = p * x + 8.3334519073e-3f;
-  p = p * x + 4.1665795894e-2f;
-  p = p * x + 1.6666665459e-1f;
-  p = p * x + 5.0000001201e-1f;
-  p = p * x * x + x + 1.f;
+  const vf n = (x * wde_exp::LOG2E + magic) - magic;
+  const vf p = wde_exp::exp_remainder(wde_exp::exp_reduce(x, n));
   const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   vf scale;
   __builtin_memcpy(&scale, &bits, sizeof scale);

@@ -21,6 +21,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_exp.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -56,15 +58,8 @@ inline float sround(float x) { return (x + 12582912.f) - 12582912.f; }
 
 // e^x for x in [-87, 88] (no range checks): Cephes' expf, 2^n times a degree-6 polynomial of the remainder (~1 ulp)
 inline vf vexp_core(vf x) {
-  const vf n = vround(x * 1.44269504088896341f);
-  x = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
-  p = p * x + 1.3981999507e-3f;
-  p = p * x + 8.3334519073e-3f;
-  p = p * x + 4.1665795894e-2f;
-  p = p * x + 1.6666665459e-1f;
-  p = p * x + 5.0000001201e-1f;
-  p = p * x * x + x + 1.f;
+  const vf n = vround(x * wde_exp::LOG2E);
+  const vf p = wde_exp::exp_remainder(wde_exp::exp_reduce(x, n));
   const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   vf scale;
   __builtin_memcpy(&scale, &bits, sizeof scale);

@@ -5,6 +5,7 @@ tests/test_int8.py.)"""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,4 +78,24 @@ def test_switched_off_says_so_once(monkeypatch: pytest.MonkeyPatch, caplog: pyte
             torch.testing.assert_close(add_layer_norm(x, residual, ln), ln(x + residual))
     finally:
         monkeypatch.delenv("WDE_CPU_OPS")
+        cpp_build.cpu_ops.cache_clear()
+
+
+def test_built_at_load_for_the_models_that_call_them(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A post-norm BERT on CPU has the kernels before its first batch (a first compile there would hold it); a
+    decoder embedder, which never calls them, never builds them."""
+    from tests.tiny_decoders import build_qwen2, qwen2_tokenizer
+    from tests.tiny_models import build_bert
+    from wde import Engine
+
+    monkeypatch.setenv("WDE_DEVICE", "cpu")
+    cpp_build.cpu_ops.cache_clear()
+    try:
+        with Engine.from_workflow("gte_qwen2", str(build_qwen2(tmp_path / "qwen2", qwen2_tokenizer(real=False))),
+                                  device="cpu"):
+            assert cpp_build.cpu_ops.cache_info().currsize == 0
+        with Engine.from_workflow("bert", str(build_bert(tmp_path / "bert")), device="cpu",
+                                  overrides=["pooler.params.pooling=mean"]):
+            assert cpp_build.cpu_ops.cache_info().currsize == 1  # decided at build; no batch has run
+    finally:
         cpp_build.cpu_ops.cache_clear()

@@ -87,6 +87,10 @@ class PrefillModel(nn.Module, Model):
     pools: ClassVar[bool] = False
     """True for a model whose `forward` returns one pooled embedding per sequence ([num_seqs, dim]) instead of token
     states, with its width as `embedding_size` (two-tower CLIP / SigLIP; the `projected` pooler takes it)."""
+    uses_cpu_ops: ClassVar[bool] = False
+    """True for a model whose forward calls the host-compiled CPU kernels of `wde.kernels.cpp_build.cpu_ops` (the
+    post-norm blocks' `add_layer_norm`): on CPU they are built (or loaded from the cache) at load, so that no batch
+    waits ~20 s for a first compile; other models never compile them (int8 does, at its gate)."""
     lora_skipped_modules: ClassVar[tuple[str, ...]] = ()
     """Checkpoint module names (as a PEFT adapter names them) whose LoRA weights are skipped: layers of the
     reference model that no output of this model reads (BERT's pooler); any other layer the model lacks is refused."""
@@ -155,7 +159,7 @@ class PrefillModel(nn.Module, Model):
         """"torch" or "onednn": the path this model's linear layers take."""
         if self.linear_backend == "onednn":
             pack_linears(self, ctx.scheduler.token_budget)
-        if self.device.type == "cpu":  # build (or load) the CPU kernels now: a first build inside a batch would hold it
+        if self.device.type == "cpu" and self.uses_cpu_ops:  # now: a first build inside a batch would hold it
             from wde.kernels.cpp_build import cpu_ops
 
             cpu_ops()

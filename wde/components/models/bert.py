@@ -206,6 +206,7 @@ class BertModel(PrefillModel):
     """
 
     name = "bert"
+    uses_cpu_ops = True  # BertSelfOutput's add_layer_norm (post-norm blocks)
     checkpoint_prefixes = ("bert.",)
     packed_modules_mapping = {
         "attention.self.query": ("attention.qkv", 0),

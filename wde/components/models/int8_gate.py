@@ -158,8 +158,10 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
             quantize_linears(model, originals, rows, maxima, keep, acts)
             low, mean, source = float(cached["min_cosine"]), float(cached["mean_cosine"]), "cached"
         else:
+            built: dict = {}  # each layer quantized (or cast) once, whatever the trials
+
             def measure(keep: frozenset[str]) -> tuple[float, float]:
-                quantize_linears(model, originals, rows, maxima, keep, acts)
+                quantize_linears(model, originals, rows, maxima, keep, acts, built)
                 cos = F.cosine_similarity(text_vectors(model, batch, pools), ref, dim=-1)
                 return float(cos.min()), float(cos.mean())
 
@@ -171,7 +173,7 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
                 if tried[best] <= (low, mean):
                     break
                 keep, (low, mean) = keep | {best}, tried[best]
-            quantize_linears(model, originals, rows, maxima, keep, acts)
+            quantize_linears(model, originals, rows, maxima, keep, acts, built)
             source = f"measured on {len(texts)} texts"
             _write_cache(key, {"min_cosine": low, "mean_cosine": mean, "float_kinds": sorted(keep)})
     dtype = "bfloat16" if int8_linear.bf16_pays() else "float32"

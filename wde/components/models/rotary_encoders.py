@@ -82,6 +82,7 @@ class RotaryEncoderModel(PrefillModel):
     `RotaryEmbedding`), refusing what is not implemented.
     """
 
+    uses_cpu_ops = True  # RotaryEncoderLayer's add_layer_norm
     biases: ClassVar[dict[str, bool]] = {}
     """`qkv_bias`, `o_bias`, `gate_up_bias`, `down_bias` of every layer."""
     up_first: ClassVar[bool] = False
