@@ -15,6 +15,9 @@
 //       y[r, j] = scale[r] * (y[r, j] - zero[r] * colsum[j]) + bias[j]
 //   (colsum[j] = sum_k w[j,k] * wscale[j]: the zero point's share), then optionally an activation: GELU (erf, or the
 //   tanh approximation) or ReLU, so the activation is fused as oneDNN's post-op is on the float paths.
+// dequantize_quantize_rows_: dequantize_rows_, then each row quantized as quantize_rows would for the int8 layer that
+//   takes this one's output (BERT's MLP: up, then down) while the row is still in L1, instead of a later pass that
+//   reads the whole output back.
 //
 // GCC vector types (16 floats: one AVX-512 register, two AVX2 ones) and polynomial exp (~1 ulp) and erf (~1e-6
 // absolute), rows split over torch's intra-op threads. Built for the host's instruction set like the attention kernel.
@@ -132,68 +135,85 @@ inline float activate1(float y, int64_t act) {
   return activate(v, act)[0];
 }
 
+// one row of quantize_rows: xr [k] (times f, when given) to u8 qr with its scale and zero point
+template <typename T>
+inline void quantize_row(const T* xr, const float* f, int64_t k, uint8_t* qr, float* scale, float* zero) {
+  vf lo = splat(INFINITY), hi = splat(-INFINITY);
+  float slo = INFINITY, shi = -INFINITY;
+  int64_t c = 0;
+  for (; c + VW <= k; c += VW) {
+    vf v = vload(xr + c);
+    if (f) v *= vload(f + c);
+    lo = vmin(lo, v);
+    hi = vmax(hi, v);
+  }
+  for (; c < k; ++c) {
+    const float v = static_cast<float>(xr[c]) * (f ? f[c] : 1.f);
+    slo = std::min(slo, v);
+    shi = std::max(shi, v);
+  }
+  for (int64_t i = 0; i < VW; ++i) {
+    slo = std::min(slo, lo[i]);
+    shi = std::max(shi, hi[i]);
+  }
+  // the range always holds 0, so 0 is exact (zero point an integer in 0..255); a row of zeros gets scale 1
+  slo = std::min(slo, 0.f);
+  shi = std::max(shi, 0.f);
+  const float s = shi > slo ? (shi - slo) / 255.f : 1.f;
+  const float z = std::min(255.f, std::max(0.f, sround(-slo / s)));
+  const float inv = 1.f / s;
+  *scale = s;
+  *zero = z;
+  c = 0;
+  for (; c + VW <= k; c += VW) {
+    vf v = vload(xr + c);
+    if (f) v *= vload(f + c);
+    v = vmin(vmax(vround(v * inv) + z, vf{}), splat(255.f));
+    const vb bytes = __builtin_convertvector(__builtin_convertvector(v, vi), vb);  // 0..255: exact
+    __builtin_memcpy(qr + c, &bytes, sizeof bytes);
+  }
+  for (; c < k; ++c) {
+    const float v = static_cast<float>(xr[c]) * (f ? f[c] : 1.f);
+    qr[c] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, sround(v * inv) + z)));
+  }
+}
+
 template <typename T>
 void quantize_impl(const T* x, const float* f, int64_t rows, int64_t k, uint8_t* q, float* scale, float* zero) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * k;
-      uint8_t* qr = q + r * k;
-      vf lo = splat(INFINITY), hi = splat(-INFINITY);
-      float slo = INFINITY, shi = -INFINITY;
-      int64_t c = 0;
-      for (; c + VW <= k; c += VW) {
-        vf v = vload(xr + c);
-        if (f) v *= vload(f + c);
-        lo = vmin(lo, v);
-        hi = vmax(hi, v);
-      }
-      for (; c < k; ++c) {
-        const float v = static_cast<float>(xr[c]) * (f ? f[c] : 1.f);
-        slo = std::min(slo, v);
-        shi = std::max(shi, v);
-      }
-      for (int64_t i = 0; i < VW; ++i) {
-        slo = std::min(slo, lo[i]);
-        shi = std::max(shi, hi[i]);
-      }
-      // the range always holds 0, so 0 is exact (zero point an integer in 0..255); a row of zeros gets scale 1
-      slo = std::min(slo, 0.f);
-      shi = std::max(shi, 0.f);
-      const float s = shi > slo ? (shi - slo) / 255.f : 1.f;
-      const float z = std::min(255.f, std::max(0.f, sround(-slo / s)));
-      const float inv = 1.f / s;
-      scale[r] = s;
-      zero[r] = z;
-      c = 0;
-      for (; c + VW <= k; c += VW) {
-        vf v = vload(xr + c);
-        if (f) v *= vload(f + c);
-        v = vmin(vmax(vround(v * inv) + z, vf{}), splat(255.f));
-        const vb bytes = __builtin_convertvector(__builtin_convertvector(v, vi), vb);  // 0..255: exact
-        __builtin_memcpy(qr + c, &bytes, sizeof bytes);
-      }
-      for (; c < k; ++c) {
-        const float v = static_cast<float>(xr[c]) * (f ? f[c] : 1.f);
-        qr[c] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, sround(v * inv) + z)));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) quantize_row(x + r * k, f, k, q + r * k, scale + r, zero + r);
   });
+}
+
+// one row of dequantize_rows_, in place: yr [m] = act(s * (yr - z * cs) + b)
+template <int64_t ACT>
+inline void dequantize_row(float* yr, float s, float z, const float* cs, const float* b, int64_t m) {
+  int64_t c = 0;
+  for (; c + VW <= m; c += VW) {
+    vf v = s * (vload(yr + c) - z * vload(cs + c));
+    if (b) v += vload(b + c);
+    vstore(yr + c, activate(v, ACT));
+  }
+  for (; c < m; ++c) yr[c] = activate1(s * (yr[c] - z * cs[c]) + (b ? b[c] : 0.f), ACT);
 }
 
 template <int64_t ACT>
 void dequantize_impl(float* yp, const float* sp, const float* zp, const float* cs, const float* b, int64_t rows,
                      int64_t m) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) dequantize_row<ACT>(yp + r * m, sp[r], zp[r], cs, b, m);
+  });
+}
+
+// dequantize_impl, then each row quantized for the next layer (times f) while it is still in L1: what
+// quantize_impl would give on the dequantized output, without reading it back from memory
+template <int64_t ACT>
+void dequantize_quantize_impl(float* yp, const float* sp, const float* zp, const float* cs, const float* b,
+                              int64_t rows, int64_t m, const float* f, uint8_t* q, float* scale, float* zero) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      float* yr = yp + r * m;
-      const float s = sp[r], z = zp[r];
-      int64_t c = 0;
-      for (; c + VW <= m; c += VW) {
-        vf v = s * (vload(yr + c) - z * vload(cs + c));
-        if (b) v += vload(b + c);
-        vstore(yr + c, activate(v, ACT));
-      }
-      for (; c < m; ++c) yr[c] = activate1(s * (yr[c] - z * cs[c]) + (b ? b[c] : 0.f), ACT);
+      dequantize_row<ACT>(yp + r * m, sp[r], zp[r], cs, b, m);
+      quantize_row(static_cast<const float*>(yp + r * m), f, m, q + r * m, scale + r, zero + r);
     }
   });
 }
@@ -333,8 +353,51 @@ at::Tensor dequantize_rows_(at::Tensor& y, const at::Tensor& scale, const at::Te
   return y;
 }
 
+// dequantize_rows_ on y, then y's rows quantized as quantize_rows(y, factor) would: returns (q u8 [rows, m], scale
+// [rows], zero [rows]) for the next int8 layer, with y (dequantized, activated) in place as dequantize_rows_ leaves it
+std::vector<at::Tensor> dequantize_quantize_rows_(at::Tensor& y, const at::Tensor& scale, const at::Tensor& zero,
+                                                  const at::Tensor& colsum, const c10::optional<at::Tensor>& bias,
+                                                  int64_t act, const c10::optional<at::Tensor>& factor) {
+  TORCH_CHECK(y.device().is_cpu() && y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat,
+              "cpu_ops: y must be a contiguous float32 2-d CPU tensor");
+  const int64_t rows = y.size(0), m = y.size(1);
+  TORCH_CHECK(scale.numel() == rows && zero.numel() == rows && colsum.numel() == m, "cpu_ops: size mismatch");
+  TORCH_CHECK(act >= NONE && act <= RELU, "cpu_ops: unknown activation ", act);
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == m,
+                "cpu_ops: bias must be a contiguous float32 [m]");
+    b = bias->data_ptr<float>();
+  }
+  const float* f = nullptr;
+  if (factor.has_value()) {
+    TORCH_CHECK(factor->scalar_type() == at::kFloat && factor->is_contiguous() && factor->numel() == m,
+                "cpu_ops: factor must be a contiguous float32 [m]");
+    f = factor->data_ptr<float>();
+  }
+  at::Tensor q = at::empty({rows, m}, y.options().dtype(at::kByte));
+  at::Tensor s2 = at::empty({rows}, y.options());
+  at::Tensor z2 = at::empty({rows}, y.options());
+  float* yp = y.data_ptr<float>();
+  const float* sp = scale.data_ptr<float>();
+  const float* zp = zero.data_ptr<float>();
+  const float* cs = colsum.data_ptr<float>();
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  float* s2p = s2.data_ptr<float>();
+  float* z2p = z2.data_ptr<float>();
+  switch (act) {
+    case GELU: dequantize_quantize_impl<GELU>(yp, sp, zp, cs, b, rows, m, f, qp, s2p, z2p); break;
+    case GELU_TANH: dequantize_quantize_impl<GELU_TANH>(yp, sp, zp, cs, b, rows, m, f, qp, s2p, z2p); break;
+    case RELU: dequantize_quantize_impl<RELU>(yp, sp, zp, cs, b, rows, m, f, qp, s2p, z2p); break;
+    default: dequantize_quantize_impl<NONE>(yp, sp, zp, cs, b, rows, m, f, qp, s2p, z2p);
+  }
+  return {q, s2, z2};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_layer_norm", &add_layer_norm, "LayerNorm(x + residual), float32 out (CPU)");
   m.def("quantize_rows", &quantize_rows, "per-row asymmetric u8 quantization (CPU)");
   m.def("dequantize_rows_", &dequantize_rows_, "per-row dequantization, bias and activation, in place (CPU)");
+  m.def("dequantize_quantize_rows_", &dequantize_quantize_rows_,
+        "dequantize_rows_, then the rows quantized for the next int8 layer in the same pass (CPU)");
 }

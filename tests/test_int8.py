@@ -348,3 +348,77 @@ def test_int8_linear_without_the_kernel_gives_the_same_layer(monkeypatch: pytest
     want = torch.nn.functional.gelu(linear(x)).detach()
     assert (fast - slow).abs().max() <= 1e-4
     assert (slow - want).abs().max() <= 0.03 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("act", [0, 1, 3])
+def test_dequantize_quantize_rows_is_the_two_passes_in_one(act: int) -> None:
+    """The fused pass leaves y as `dequantize_rows_` does and quantizes it as `quantize_rows` would, bit for bit."""
+    kernel = int8_linear.int8_kernel()
+    if kernel is None:
+        pytest.skip("the int8 elementwise kernel cannot be built here")
+    g = torch.Generator().manual_seed(3)
+    y, scale, zero = torch.randn(70, 200, generator=g) * 40, torch.rand(70, generator=g), torch.rand(70) * 255
+    colsum, bias, factor = torch.randn(200, generator=g), torch.randn(200, generator=g), torch.rand(200) + 0.5
+    for f in (factor, None):
+        fused = y.clone()
+        q, s, z = kernel.dequantize_quantize_rows_(fused, scale, zero, colsum, bias, act, f)
+        apart = kernel.dequantize_rows_(y.clone(), scale, zero, colsum, bias, act)
+        assert torch.equal(fused, apart)
+        for got, want in zip((q, s, z), kernel.quantize_rows(apart, f)):
+            assert torch.equal(got, want)
+
+
+class _Mlp(nn.Module):
+    def __init__(self, up: nn.Module, down: nn.Module, touch: bool) -> None:
+        super().__init__()
+        self.up, self.down, self.touch = up, down, touch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.touch:
+            h.mul_(0.5)  # changed in place between the two layers: the handed rows no longer describe it
+        return self.down(h)
+
+
+@needs_vnni
+@pytest.mark.parametrize("touch", [False, True], ids=["unchanged", "changed-in-place"])
+def test_a_layer_quantizes_its_output_for_the_layer_it_feeds(touch: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`chain_layers` finds up -> down from one forward; then down takes up's rows without a quantizing pass of its
+    own when handed its input unchanged, and quantizes it itself when the model changed it (same results as
+    unchained either way)."""
+    if int8_linear.int8_kernel() is None:
+        pytest.skip("the int8 elementwise kernel cannot be built here")
+    g = torch.Generator().manual_seed(4)
+    up = Int8Linear(nn.Linear(48, 96), rows=16, smooth=torch.rand(48, generator=g) + 0.5)
+    up.post_op = ("gelu", "none")
+    down = Int8Linear(nn.Linear(96, 48), rows=16, smooth=torch.rand(96, generator=g) + 0.5)
+    mlp, x = _Mlp(up, down, touch), torch.randn(16, 48, generator=g)
+    with torch.inference_mode():
+        unchained = mlp(x)
+    found = int8_linear.chain_layers(mlp, lambda: mlp(x))
+    assert (found, up.feeds, down.feeds) == ((0, None, None) if touch else (1, down, None))
+    up.feed(down)  # as if the discovery had missed the change: the version check still refuses stale rows
+    calls: list[int] = []
+    quantize = int8_linear.quantize_rows
+    monkeypatch.setattr(int8_linear, "quantize_rows", lambda *a: (calls.append(1), quantize(*a))[1])
+    with torch.no_grad():
+        chained = mlp(x)
+    assert torch.equal(chained, unchained)
+    assert len(calls) == (2 if touch else 1)  # up's own input; down's only where its input was changed
+    if not touch:  # in inference mode (no version counters) the handoff rests on the discovery alone
+        with torch.inference_mode():
+            assert torch.equal(mlp(x), unchained)
+
+
+@needs_vnni
+def test_minilm_int8_chains_each_mlp(minilm_path: Path) -> None:
+    with Engine.from_workflow("bert", minilm_path, quantization="int8") as engine:
+        layers = {n: m for n, m in engine.components["model"].named_modules() if isinstance(m, Int8Linear)}
+        assert all(not isinstance(m, Int8Linear) for layer in layers.values() for m in layer.children())
+        chained = {n for n, m in layers.items() if m.feeds is not None}
+        assert chained == {n for n in layers if n.endswith("intermediate.dense")} and len(chained) == 6
+        assert all(layers[n].feeds is layers[n.replace("intermediate.dense", "output.dense")] for n in chained)
+        got = engine.embed(TEXTS)
+        for m in layers.values():
+            m.feed(None)
+        assert np.allclose(engine.embed(TEXTS), got, atol=1e-6)

@@ -30,8 +30,8 @@ from torch import nn
 
 from wde.components.model_input_builder import ModelInput
 from wde.components.models import int8_linear
-from wde.components.models.int8_linear import (block_linears, fusible_activations, input_maxima, kind_of,
-                                               quantize_linears)
+from wde.components.models.int8_linear import (block_linears, chain_layers, fusible_activations, input_maxima,
+                                               kind_of, quantize_linears)
 from wde.components.models.cpu_kernels import _host_lock, _read_cache, _write_cache, host_key
 from wde.errors import ModelLoadError
 from wde.request import TextPrompt
@@ -176,6 +176,8 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
             quantize_linears(model, originals, rows, maxima, keep, acts, built)
             source = f"measured on {len(texts)} texts"
             _write_cache(key, {"min_cosine": low, "mean_cosine": mean, "float_kinds": sorted(keep)})
+    # where an int8 layer's output feeds the next unchanged, it quantizes it for it (same values, one pass fewer)
+    chain_layers(model, lambda: model(batch))
     dtype = "bfloat16" if int8_linear.bf16_pays() else "float32"
     floats = f"; kept in {dtype}: {', '.join(sorted(keep))}" if keep else ""
     if low < min_cosine or mean < min_mean_cosine:

@@ -25,7 +25,8 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import torch
@@ -145,14 +146,38 @@ class Int8Linear(nn.Module):
         self.packed = torch.ops.onednn.qlinear_prepack(qweight, [rows, self.in_features])
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.post_op: tuple[str, str] = ("none", "")
+        self.feeds: Int8Linear | None = None
+        """The int8 layer this one's output goes to unchanged (BERT's MLP: up, then down; found by `chain_layers`,
+        set with `feed`): the dequantizing pass then quantizes each output row for it too, while the row is in L1."""
+        self._handed = threading.local()  # per thread (CPU streams share the layers): the rows handed to this one
+
+    def feed(self, layer: Int8Linear | None) -> None:
+        """Set `feeds` (a reference, not a submodule: the layer stays where the model has it)."""
+        object.__setattr__(self, "feeds", layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        q, scale, zero = quantize_rows(x.reshape(-1, self.in_features), self.smooth)
+        handed, self._handed.rows = getattr(self._handed, "rows", None), None
+        if handed is not None and handed[0] is x and handed[1] == _version(x):  # the very tensor, unchanged since
+            q, scale, zero = handed[2:]
+        else:
+            q, scale, zero = quantize_rows(x.reshape(-1, self.in_features), self.smooth)
         y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, self.packed, self.w_scale, self.w_zero, None, 1.0, 0,
                                                torch.float32, "none", [], "")
-        y = dequantize_rows_(y, scale, zero, self.colsum, self.bias, ACTIVATIONS[self.post_op])
-        return y.reshape(*shape[:-1], self.out_features)
+        act = ACTIVATIONS[self.post_op]
+        kernel = int8_kernel() if self.feeds is not None else None
+        if kernel is None:
+            return dequantize_rows_(y, scale, zero, self.colsum, self.bias, act).reshape(*shape[:-1], self.out_features)
+        rows = kernel.dequantize_quantize_rows_(y, scale, zero, self.colsum, self.bias, act, self.feeds.smooth)
+        out = y.reshape(*shape[:-1], self.out_features)
+        self.feeds._handed.rows = (out, _version(out), *rows)
+        return out
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """How many times `x` was changed in place (None for inference tensors, which do not count: there
+    `chain_layers` has seen the model leave the tensor alone)."""
+    return None if x.is_inference() else x._version
 
     def extra_repr(self) -> str:
         fused = "" if self.post_op[0] == "none" else f", fused {'/'.join(p for p in self.post_op if p)}"
@@ -256,6 +281,40 @@ def fusible_activations(model: nn.Module, originals: dict[str, nn.Linear]) -> di
         if pair is not None and dense in originals and pair[1] in ACTIVATIONS:
             found[dense] = (pair[0], getattr(module, pair[0]), pair[1])
     return found
+
+
+def chain_layers(model: nn.Module, forward: Callable[[], object]) -> int:
+    """Set `Int8Linear.feeds` where one int8 layer's output is the next one's input, the same tensor and not changed
+    in place in between, as seen in one `forward()` of the quantized model, run here with version counters on (no
+    inference mode): BERT's MLP, whose up projection (its GELU fused) feeds the down projection. A model's forward
+    takes the same path for every batch; each call still checks that it is handed that very tensor (and, outside
+    inference mode, unchanged) and quantizes its input itself otherwise. Returns how many layers feed another."""
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    outputs: dict[int, tuple[Int8Linear, torch.Tensor, int]] = {}
+    fed: dict[Int8Linear, Int8Linear] = {}
+
+    def before(module: nn.Module, args: tuple) -> None:
+        producer = outputs.get(id(args[0])) if args and isinstance(args[0], torch.Tensor) else None
+        if producer is not None and producer[1] is args[0] and producer[2] == args[0]._version:
+            fed[producer[0]] = module  # type: ignore[assignment]
+
+    def after(module: nn.Module, args: tuple, output: object) -> None:
+        if isinstance(output, torch.Tensor):
+            outputs[id(output)] = (module, output, output._version)  # type: ignore[assignment]
+
+    for layer in layers:
+        layer.feed(None)
+    hooks = [h for layer in layers for h in (layer.register_forward_pre_hook(before),
+                                             layer.register_forward_hook(after))]
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            forward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for producer, consumer in fed.items():
+        producer.feed(consumer)
+    return len(fed)
 
 
 def quantize_linears(model: nn.Module, originals: dict[str, nn.Linear], rows: int,
