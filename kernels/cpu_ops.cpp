@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -325,10 +326,15 @@ std::vector<at::Tensor> quantize_rows(const at::Tensor& x, const c10::optional<a
   return {q, scale, zero};
 }
 
-// In place on y [rows, m] float32 contiguous: y = scale[r] * (y - zero[r] * colsum) + bias, then act
-// (0 none, 1 erf GELU, 2 tanh GELU, 3 ReLU). Returns y.
-at::Tensor dequantize_rows_(at::Tensor& y, const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& colsum,
-                            const c10::optional<at::Tensor>& bias, int64_t act) {
+// the arguments of dequantize_rows_ and dequantize_quantize_rows_, checked
+struct Dequant {
+  float* y;
+  const float *scale, *zero, *colsum, *bias;
+  int64_t rows, m;
+};
+
+Dequant dequant_args(at::Tensor& y, const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& colsum,
+                     const c10::optional<at::Tensor>& bias, int64_t act) {
   TORCH_CHECK(y.device().is_cpu() && y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat,
               "cpu_ops: y must be a contiguous float32 2-d CPU tensor");
   const int64_t rows = y.size(0), m = y.size(1);
@@ -340,16 +346,26 @@ at::Tensor dequantize_rows_(at::Tensor& y, const at::Tensor& scale, const at::Te
                 "cpu_ops: bias must be a contiguous float32 [m]");
     b = bias->data_ptr<float>();
   }
-  float* yp = y.data_ptr<float>();
-  const float* sp = scale.data_ptr<float>();
-  const float* zp = zero.data_ptr<float>();
-  const float* cs = colsum.data_ptr<float>();
+  return {y.data_ptr<float>(), scale.data_ptr<float>(), zero.data_ptr<float>(), colsum.data_ptr<float>(), b, rows, m};
+}
+
+// f(std::integral_constant<int64_t, act>{}): kernels specialized for the activation
+template <typename F>
+void with_activation(int64_t act, F&& f) {
   switch (act) {
-    case GELU: dequantize_impl<GELU>(yp, sp, zp, cs, b, rows, m); break;
-    case GELU_TANH: dequantize_impl<GELU_TANH>(yp, sp, zp, cs, b, rows, m); break;
-    case RELU: dequantize_impl<RELU>(yp, sp, zp, cs, b, rows, m); break;
-    default: dequantize_impl<NONE>(yp, sp, zp, cs, b, rows, m);
+    case GELU: return f(std::integral_constant<int64_t, GELU>{});
+    case GELU_TANH: return f(std::integral_constant<int64_t, GELU_TANH>{});
+    case RELU: return f(std::integral_constant<int64_t, RELU>{});
+    default: return f(std::integral_constant<int64_t, NONE>{});
   }
+}
+
+// In place on y [rows, m] float32 contiguous: y = scale[r] * (y - zero[r] * colsum) + bias, then act
+// (0 none, 1 erf GELU, 2 tanh GELU, 3 ReLU). Returns y.
+at::Tensor dequantize_rows_(at::Tensor& y, const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& colsum,
+                            const c10::optional<at::Tensor>& bias, int64_t act) {
+  const Dequant d = dequant_args(y, scale, zero, colsum, bias, act);
+  with_activation(act, [&](auto a) { dequantize_impl<a()>(d.y, d.scale, d.zero, d.colsum, d.bias, d.rows, d.m); });
   return y;
 }
 
@@ -358,39 +374,20 @@ at::Tensor dequantize_rows_(at::Tensor& y, const at::Tensor& scale, const at::Te
 std::vector<at::Tensor> dequantize_quantize_rows_(at::Tensor& y, const at::Tensor& scale, const at::Tensor& zero,
                                                   const at::Tensor& colsum, const c10::optional<at::Tensor>& bias,
                                                   int64_t act, const c10::optional<at::Tensor>& factor) {
-  TORCH_CHECK(y.device().is_cpu() && y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat,
-              "cpu_ops: y must be a contiguous float32 2-d CPU tensor");
-  const int64_t rows = y.size(0), m = y.size(1);
-  TORCH_CHECK(scale.numel() == rows && zero.numel() == rows && colsum.numel() == m, "cpu_ops: size mismatch");
-  TORCH_CHECK(act >= NONE && act <= RELU, "cpu_ops: unknown activation ", act);
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == m,
-                "cpu_ops: bias must be a contiguous float32 [m]");
-    b = bias->data_ptr<float>();
-  }
+  const Dequant d = dequant_args(y, scale, zero, colsum, bias, act);
   const float* f = nullptr;
   if (factor.has_value()) {
-    TORCH_CHECK(factor->scalar_type() == at::kFloat && factor->is_contiguous() && factor->numel() == m,
+    TORCH_CHECK(factor->scalar_type() == at::kFloat && factor->is_contiguous() && factor->numel() == d.m,
                 "cpu_ops: factor must be a contiguous float32 [m]");
     f = factor->data_ptr<float>();
   }
-  at::Tensor q = at::empty({rows, m}, y.options().dtype(at::kByte));
-  at::Tensor s2 = at::empty({rows}, y.options());
-  at::Tensor z2 = at::empty({rows}, y.options());
-  float* yp = y.data_ptr<float>();
-  const float* sp = scale.data_ptr<float>();
-  const float* zp = zero.data_ptr<float>();
-  const float* cs = colsum.data_ptr<float>();
-  uint8_t* qp = q.data_ptr<uint8_t>();
-  float* s2p = s2.data_ptr<float>();
-  float* z2p = z2.data_ptr<float>();
-  switch (act) {
-    case GELU: dequantize_quantize_impl<GELU>(yp, sp, zp, cs, b, rows, m, f, qp, s2p, z2p); break;
-    case GELU_TANH: dequantize_quantize_impl<GELU_TANH>(yp, sp, zp, cs, b, rows, m, f, qp, s2p, z2p); break;
-    case RELU: dequantize_quantize_impl<RELU>(yp, sp, zp, cs, b, rows, m, f, qp, s2p, z2p); break;
-    default: dequantize_quantize_impl<NONE>(yp, sp, zp, cs, b, rows, m, f, qp, s2p, z2p);
-  }
+  at::Tensor q = at::empty({d.rows, d.m}, y.options().dtype(at::kByte));
+  at::Tensor s2 = at::empty({d.rows}, y.options());
+  at::Tensor z2 = at::empty({d.rows}, y.options());
+  with_activation(act, [&](auto a) {
+    dequantize_quantize_impl<a()>(d.y, d.scale, d.zero, d.colsum, d.bias, d.rows, d.m, f, q.data_ptr<uint8_t>(),
+                                  s2.data_ptr<float>(), z2.data_ptr<float>());
+  });
   return {q, s2, z2};
 }
 
