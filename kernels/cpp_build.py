@@ -4,9 +4,9 @@
 cache folder (`WDE_KERNEL_CACHE`, default `~/.cache/wde/kernels`), keyed by the source and the headers beside it
 (`kernels/*.h`), torch's version, the instruction set it targets and the CPU's flags, with `-fopenmp`
 (`at::parallel_for` is inline: without OpenMP a kernel's tasks all run on the calling thread), so each host compiles
-each kernel once (about 30 s) and later starts load it. The instruction set is the host's own (`-march=native`), or AVX2 when `ATEN_CPU_CAPABILITY` caps torch at
-avx2 (plain x86-64 for `default`). Where a kernel cannot be built (no compiler, no headers) it returns None and its
-caller says so in one warning line and takes its pure-PyTorch path.
+each kernel once (about 30 s) and later starts load it. The instruction set is the host's own (`-march=native`), or
+AVX2 when `ATEN_CPU_CAPABILITY` caps torch at avx2 (plain x86-64 for `default`). Where a kernel cannot be built (no
+compiler, no headers) it returns None and its caller says so in one warning line and takes its pure-PyTorch path.
 """
 
 from __future__ import annotations

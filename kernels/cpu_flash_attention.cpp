@@ -288,23 +288,21 @@ void load_kv(const Problem& pb, const Packed<const scalar_t>& k, const Packed<co
     if (kv.bias[j] != 0.f) kv.masked[j / KB] = 1;
   }
   if constexpr (DP) {
-    {
-      kv.k2.resize(tiles * (d / 2) * KB);
-      kv.v2.resize(tiles * (KB / 2) * d);
-      for (int64_t j = n; j < kpad; ++j) {  // keys past the range that are read: zeros (0 times a stale NaN is NaN)
-        uint32_t* kt = kv.k2.data() + (j / KB) * (d / 2) * KB + j % KB;
-        for (int64_t c = 0; c < d / 2; ++c) kt[c * KB] = 0u;
-        uint16_t* vt = reinterpret_cast<uint16_t*>(kv.v2.data() + (j / 2) * d) + (j & 1);
-        for (int64_t c = 0; c < d; ++c) vt[2 * c] = 0;
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const scalar_t* ks = k.row(start + kc0 + j, kvh);
-        uint32_t* kt = kv.k2.data() + (j / KB) * (d / 2) * KB + j % KB;
-        for (int64_t c = 0; c < d / 2; ++c) kt[c * KB] = bf16_pair(ks, c);
-        const scalar_t* vs = v.row(start + kc0 + j, kvh);
-        uint16_t* vt = reinterpret_cast<uint16_t*>(kv.v2.data() + (j / 2) * d) + (j & 1);
-        for (int64_t c = 0; c < d; ++c) vt[2 * c] = bf16_bits(vs[c]);
-      }
+    kv.k2.resize(tiles * (d / 2) * KB);
+    kv.v2.resize(tiles * (KB / 2) * d);
+    for (int64_t j = n; j < kpad; ++j) {  // keys past the range that are read: zeros (0 times a stale NaN is NaN)
+      uint32_t* kt = kv.k2.data() + (j / KB) * (d / 2) * KB + j % KB;
+      for (int64_t c = 0; c < d / 2; ++c) kt[c * KB] = 0u;
+      uint16_t* vt = reinterpret_cast<uint16_t*>(kv.v2.data() + (j / 2) * d) + (j & 1);
+      for (int64_t c = 0; c < d; ++c) vt[2 * c] = 0;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const scalar_t* ks = k.row(start + kc0 + j, kvh);
+      uint32_t* kt = kv.k2.data() + (j / KB) * (d / 2) * KB + j % KB;
+      for (int64_t c = 0; c < d / 2; ++c) kt[c * KB] = bf16_pair(ks, c);
+      const scalar_t* vs = v.row(start + kc0 + j, kvh);
+      uint16_t* vt = reinterpret_cast<uint16_t*>(kv.v2.data() + (j / 2) * d) + (j & 1);
+      for (int64_t c = 0; c < d; ++c) vt[2 * c] = bf16_bits(vs[c]);
     }
   } else {
     kv.kf.resize(tiles * d * KB);

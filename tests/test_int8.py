@@ -415,6 +415,8 @@ def test_minilm_int8_chains_each_mlp(minilm_path: Path) -> None:
     with Engine.from_workflow("bert", minilm_path, quantization="int8") as engine:
         layers = {n: m for n, m in engine.components["model"].named_modules() if isinstance(m, Int8Linear)}
         assert all(not isinstance(m, Int8Linear) for layer in layers.values() for m in layer.children())
+        assert all("int8 onednn" in repr(m) for m in layers.values())  # its extra_repr, in the model's repr
+        assert all("fused gelu" in repr(layers[n]) for n in layers if n.endswith("intermediate.dense"))
         chained = {n for n, m in layers.items() if m.feeds is not None}
         assert chained == {n for n in layers if n.endswith("intermediate.dense")} and len(chained) == 6
         assert all(layers[n].feeds is layers[n.replace("intermediate.dense", "output.dense")] for n in chained)

@@ -176,8 +176,6 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
             quantize_linears(model, originals, rows, maxima, keep, acts, built)
             source = f"measured on {len(texts)} texts"
             _write_cache(key, {"min_cosine": low, "mean_cosine": mean, "float_kinds": sorted(keep)})
-    # where an int8 layer's output feeds the next unchanged, it quantizes it for it (same values, one pass fewer)
-    chain_layers(model, lambda: model(batch))
     dtype = "bfloat16" if int8_linear.bf16_pays() else "float32"
     floats = f"; kept in {dtype}: {', '.join(sorted(keep))}" if keep else ""
     if low < min_cosine or mean < min_mean_cosine:
@@ -186,6 +184,8 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
         raise ModelLoadError(f"quantization=int8: the int8 model's vectors fall short of float32's: {'; '.join(short)}"
                              f" (min {low:.5f}, mean {mean:.5f}, {source}{floats}); serve it in float32 or bfloat16,"
                              " or lower the threshold if that is acceptable")
+    # where an int8 layer's output feeds the next unchanged, it quantizes it for it (same values, one pass fewer)
+    chain_layers(model, lambda: model(batch))
     log.info("int8 fidelity gate passed: min cosine %.5f, mean %.5f to float32 (%s, thresholds %s / %s%s)", low,
              mean, source, min_cosine, min_mean_cosine, floats)
     return low, mean, keep

@@ -174,14 +174,15 @@ class Int8Linear(nn.Module):
         return out
 
 
+    def extra_repr(self) -> str:
+        fused = "" if self.post_op[0] == "none" else f", fused {'/'.join(p for p in self.post_op if p)}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 onednn{fused}"
+
+
 def _version(x: torch.Tensor) -> int | None:
     """How many times `x` was changed in place (None for inference tensors, which do not count: there
     `chain_layers` has seen the model leave the tensor alone)."""
     return None if x.is_inference() else x._version
-
-    def extra_repr(self) -> str:
-        fused = "" if self.post_op[0] == "none" else f", fused {'/'.join(p for p in self.post_op if p)}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 onednn{fused}"
 
 
 SMOOTHING_ALPHA = 0.5
