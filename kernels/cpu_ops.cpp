@@ -9,7 +9,8 @@
 //
 // quantize_rows: x [rows, k] (float32 or bfloat16), times an optional per-channel factor (SmoothQuant's 1/s), is
 //   quantized per row to u8 with the row's own scale and zero point (asymmetric: the row's min..max onto 0..255), in
-//   one read of x and one write of a byte per value, instead of the eight tensor passes PyTorch ops take.
+//   one read of x and one write of a byte per value, instead of the eight tensor passes PyTorch ops take. The u8
+//   rows are allocated rounded up to a multiple (zero past the last row), so the GEMM sees few distinct row counts.
 // dequantize_rows_: y [rows, m] float32, the output of oneDNN's u8 x s8 GEMM with the weight scales applied
 //   (y = sum_k q[r,k] w[j,k] * wscale[j]), becomes in place
 //       y[r, j] = scale[r] * (y[r, j] - zero[r] * colsum[j]) + bias[j]
@@ -31,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace {
@@ -300,9 +302,19 @@ at::Tensor add_layer_norm(const at::Tensor& x, const at::Tensor& residual, const
   return out;
 }
 
-// x [rows, k] float32 / bfloat16, contiguous; factor [k] float32 or None. Returns (q u8 [rows, k], scale [rows],
-// zero [rows]) with x * factor ~= scale * (q - zero) row by row.
-std::vector<at::Tensor> quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>& factor) {
+// u8 [rows rounded up to a multiple of `multiple`, k], the rows past `rows` zero (oneDNN's int8 GEMM builds a
+// primitive per distinct row count: rounded counts repeat, see int8_linear.ROW_MULTIPLE)
+at::Tensor padded_bytes(int64_t rows, int64_t k, int64_t multiple, const at::TensorOptions& options) {
+  TORCH_CHECK(multiple >= 1, "cpu_ops: multiple must be >= 1");
+  const int64_t padded = (rows + multiple - 1) / multiple * multiple;
+  at::Tensor q = at::empty({padded, k}, options.dtype(at::kByte));
+  if (padded > rows) std::memset(q.data_ptr<uint8_t>() + rows * k, 0, (padded - rows) * k);
+  return q;
+}
+
+// x [rows, k] float32 / bfloat16, contiguous; factor [k] float32 or None. Returns (q u8 [rows', k], scale [rows],
+// zero [rows]) with x * factor ~= scale * (q - zero) row by row; rows' is rows rounded up to `multiple`.
+std::vector<at::Tensor> quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>& factor, int64_t multiple) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "cpu_ops: x must be a contiguous 2-d CPU tensor");
   const int64_t rows = x.size(0), k = x.size(1);
   const float* f = nullptr;
@@ -311,7 +323,7 @@ std::vector<at::Tensor> quantize_rows(const at::Tensor& x, const c10::optional<a
                 "cpu_ops: factor must be a contiguous float32 [k]");
     f = factor->data_ptr<float>();
   }
-  at::Tensor q = at::empty({rows, k}, x.options().dtype(at::kByte));
+  at::Tensor q = padded_bytes(rows, k, multiple, x.options());
   at::Tensor scale = at::empty({rows}, x.options().dtype(at::kFloat));
   at::Tensor zero = at::empty({rows}, x.options().dtype(at::kFloat));
   if (x.scalar_type() == at::kFloat) {
@@ -369,11 +381,13 @@ at::Tensor dequantize_rows_(at::Tensor& y, const at::Tensor& scale, const at::Te
   return y;
 }
 
-// dequantize_rows_ on y, then y's rows quantized as quantize_rows(y, factor) would: returns (q u8 [rows, m], scale
-// [rows], zero [rows]) for the next int8 layer, with y (dequantized, activated) in place as dequantize_rows_ leaves it
+// dequantize_rows_ on y, then y's rows quantized as quantize_rows(y, factor, multiple) would: returns (q u8 [rows',
+// m], scale [rows], zero [rows]) for the next int8 layer, with y (dequantized, activated) in place as
+// dequantize_rows_ leaves it
 std::vector<at::Tensor> dequantize_quantize_rows_(at::Tensor& y, const at::Tensor& scale, const at::Tensor& zero,
                                                   const at::Tensor& colsum, const c10::optional<at::Tensor>& bias,
-                                                  int64_t act, const c10::optional<at::Tensor>& factor) {
+                                                  int64_t act, const c10::optional<at::Tensor>& factor,
+                                                  int64_t multiple) {
   const Dequant d = dequant_args(y, scale, zero, colsum, bias, act);
   const float* f = nullptr;
   if (factor.has_value()) {
@@ -381,7 +395,7 @@ std::vector<at::Tensor> dequantize_quantize_rows_(at::Tensor& y, const at::Tenso
                 "cpu_ops: factor must be a contiguous float32 [m]");
     f = factor->data_ptr<float>();
   }
-  at::Tensor q = at::empty({d.rows, d.m}, y.options().dtype(at::kByte));
+  at::Tensor q = padded_bytes(d.rows, d.m, multiple, y.options());
   at::Tensor s2 = at::empty({d.rows}, y.options());
   at::Tensor z2 = at::empty({d.rows}, y.options());
   with_activation(act, [&](auto a) {

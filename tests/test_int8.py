@@ -359,13 +359,44 @@ def test_dequantize_quantize_rows_is_the_two_passes_in_one(act: int) -> None:
     g = torch.Generator().manual_seed(3)
     y, scale, zero = torch.randn(70, 200, generator=g) * 40, torch.rand(70, generator=g), torch.rand(70) * 255
     colsum, bias, factor = torch.randn(200, generator=g), torch.randn(200, generator=g), torch.rand(200) + 0.5
-    for f in (factor, None):
+    for f, multiple in ((factor, 1), (None, 1), (factor, 32)):
         fused = y.clone()
-        q, s, z = kernel.dequantize_quantize_rows_(fused, scale, zero, colsum, bias, act, f)
+        q, s, z = kernel.dequantize_quantize_rows_(fused, scale, zero, colsum, bias, act, f, multiple)
         apart = kernel.dequantize_rows_(y.clone(), scale, zero, colsum, bias, act)
         assert torch.equal(fused, apart)
-        for got, want in zip((q, s, z), kernel.quantize_rows(apart, f)):
+        for got, want in zip((q, s, z), kernel.quantize_rows(apart, f, multiple)):
             assert torch.equal(got, want)
+        assert q.shape == (70 if multiple == 1 else 96, 200)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_quantized_rows_are_padded_to_the_multiple_with_zeros(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The u8 rows come rounded up to `multiple` (oneDNN then sees few distinct row counts), zero past the last;
+    the scales and zero points stay one per real row."""
+    if kernel and int8_linear.int8_kernel() is None:
+        pytest.skip("the int8 elementwise kernel cannot be built here")
+    if not kernel:
+        _torch_path(monkeypatch)
+    x = torch.randn(45, 64, generator=torch.Generator().manual_seed(5))
+    exact = int8_linear.quantize_rows(x, None)
+    q, scale, zero = int8_linear.quantize_rows(x, None, 32)
+    assert q.shape == (64, 64) and scale.shape == zero.shape == (45,)
+    assert torch.equal(q[:45], exact[0]) and (q[45:] == 0).all()
+    assert int8_linear.quantize_rows(x[:32], None, 32)[0].shape == (32, 64)  # a multiple already: no padding
+
+
+@needs_vnni
+def test_an_int8_layer_gives_each_row_the_same_result_whatever_the_row_count() -> None:
+    """Padding rows are computed and dropped: a row's output does not depend on how many rows came with it."""
+    g = torch.Generator().manual_seed(6)
+    layer = Int8Linear(nn.Linear(64, 48), rows=64, smooth=torch.rand(64, generator=g) + 0.5)
+    x = torch.randn(70, 64, generator=g)
+    with torch.inference_mode():
+        full = layer(x)
+        assert full.shape == (70, 48)
+        for n in (1, 31, 32, 33, 64):
+            part = layer(x[:n])
+            assert part.shape == (n, 48) and torch.allclose(part, full[:n], atol=1e-5, rtol=0)
 
 
 class _Mlp(nn.Module):
