@@ -287,14 +287,27 @@ def python_for(engine: str, args: argparse.Namespace) -> str:
 
 
 def engine_env(engine: str) -> dict[str, str]:
-    """The environment each engine runs in; vLLM's CPU docs' setup: its OpenMP threads bound to every core,
-    a KV cache size, tcmalloc and its venv's libiomp5 preloaded."""
+    """The environment each engine runs in. vLLM's CPU docs' setup: its OpenMP threads bound to every core, a KV
+    cache size, tcmalloc and its venv's libiomp5 preloaded. Every other engine, WDE's and the peers run through
+    sentence-transformers alike, with the host's tcmalloc preloaded too (what `wde serve` does itself and
+    docs/operations.md tells Python API users to do), unless `--allocator system`."""
+    from wde.allocator import find_tcmalloc  # here, in the driver: the peers' venvs have no wde
+
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "true",
            **ISA_CAP}
+    env.pop("LD_PRELOAD", None)
     if engine == "vllm":
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 2) - 1}", VLLM_CPU_KVCACHE_SPACE="2")
         env["LD_PRELOAD"] = ":".join(vllm_preload())
+    elif ALLOCATOR[0] == "tcmalloc" and (tcmalloc := find_tcmalloc()) is not None:
+        env["LD_PRELOAD"] = tcmalloc
+    else:
+        env["WDE_ALLOCATOR"] = "system"  # `wde serve` too
     return env
+
+
+ALLOCATOR = ["tcmalloc"]
+"""`--allocator`: tcmalloc (where the host has it) or the system's malloc, for every engine but vLLM."""
 
 
 ISA_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
@@ -348,7 +361,7 @@ def free_port() -> int:
 
 def start_server(engine: str, model: str, dtype: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
     if engine in WDE_DTYPES:
-        code = "import sys; from wde.cli import main; sys.argv = ['wde', *sys.argv[1:]]; main()"
+        code = "import sys; from wde.cli import run; sys.argv = ['wde', *sys.argv[1:]]; run()"  # the `wde` command
         cmd = [sys.executable, "-c", code, "serve", "--model", model, "--port", str(port),
                "--served-model-name", "bench", "--max-concurrent-requests", "4096", "--set",
                f"model.params.dtype={WDE_DTYPES[engine] or dtype}",
@@ -524,9 +537,12 @@ def main() -> None:
                     help="wde serve --api-servers N (0: one process; default: wde serve's own choice)")
     ap.add_argument("--isa", default="native", choices=["native", *ISA_CAPS],
                     help="avx2: run every engine as on a host without AVX-512 (see ISA_CAPS)")
+    ap.add_argument("--allocator", default="tcmalloc", choices=["tcmalloc", "system"],
+                    help="system: every engine but vLLM (whose docs preload tcmalloc) on the system's malloc")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     ISA_CAP.update(ISA_CAPS.get(args.isa, {}))
+    ALLOCATOR[0] = args.allocator
     engines = [e for e in args.engines.split(",") if e]
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
@@ -546,7 +562,11 @@ def main() -> None:
     Path(texts_file).write_text(json.dumps(texts))
     capped = f"; engines capped to {args.isa.upper()} ({' '.join(f'{k}={v}' for k, v in ISA_CAP.items())})" \
         if ISA_CAP else ""
-    print(f"host: {cpu_summary()}{capped}; {time.strftime('%Y-%m-%d')}; dtype {args.dtype}")
+    from wde.allocator import find_tcmalloc
+
+    allocator = "tcmalloc" if args.allocator == "tcmalloc" and find_tcmalloc() else "the system's malloc"
+    print(f"host: {cpu_summary()}{capped}; {time.strftime('%Y-%m-%d')}; dtype {args.dtype}; allocator {allocator}"
+          " (vLLM: tcmalloc and libiomp5, as its docs set it up)")
     print(f"workload: {len(texts['short'])} short texts ({tokens['short']} tokens), {len(texts['long'])} long"
           f" ({tokens['long']} tokens)" + ("" if args.serve_only else f"; fidelity also on {len(texts['corpus'])}"
                                              f" generated corpus texts and {len(texts['queries'])} queries, and"

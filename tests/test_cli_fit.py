@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.test_server import free_port, wait_healthy
+from wde.allocator import restart_env
 from wde.cli import main
 from wde.components.params import ClassifierParams
 from wde.errors import RegistryError
@@ -28,6 +29,7 @@ HEAVY = ("torch", "transformers", "numpy", "wde.engine", "wde.components.models.
 
 _PROBE = """
 import json, sys
+from wde.allocator import restart_env
 from wde.cli import main
 codes = []
 for args in {commands!r}:
@@ -171,6 +173,8 @@ def test_serve_logs_what_it_serves_and_answers_to_aliases(tiny_bert: Path, tmp_p
                 proc.wait()
     lines = [line for line in log.read_text().splitlines() if "serving model" in line]
     assert len(lines) == 1, log.read_text()
+    allocator = "system" if restart_env(env, ["wde", "serve"]) is None and "tcmalloc" not in env.get(
+        "LD_PRELOAD", "") else "tcmalloc"
     assert lines[0].endswith(
         f"serving model {tiny_bert} (API names: tiny, tiny/alias, {tiny_bert.name}, {tiny_bert}, alias)"
-        f" with workflow bert on cpu (float32) at http://127.0.0.1:{port}")
+        f" with workflow bert on cpu (float32) at http://127.0.0.1:{port}; allocator {allocator}")

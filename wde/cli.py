@@ -501,5 +501,14 @@ def _written(rows: int, dim: int) -> str:
     return f"{rows} x {dim} embeddings" if dim else f"{rows} rows"
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The `wde` command: `wde serve` and `wde embed` start again with tcmalloc preloaded where the host has it
+    (`wde.allocator`), then the click group."""
+    from wde.allocator import restart_with_tcmalloc
+
+    restart_with_tcmalloc()
     main()
+
+
+if __name__ == "__main__":
+    run()

@@ -27,8 +27,11 @@ def startup_line(config: ServerConfig, info: EngineInfo, model_names: tuple[str,
                  others: Sequence[tuple[EngineInfo, tuple[str, ...]]] = ()) -> str:
     """`serving <model> (API names: ...) with workflow <w> on <device> (<dtype>) at http://host:port`, where TEI's
     gRPC API listens too (`--grpc-port`), and how many API-server processes front the engine core when it runs in
-    its own process. `others`: the (info, names) of the second and further models of a server of several, each
-    listed after the first (`, model <m> (API names: ...) with workflow ...`)."""
+    its own process, then the memory allocator (`wde.allocator`: tcmalloc or the system's). `others`: the (info,
+    names) of the second and further models of a server of several, each listed after the first (`, model <m> (API
+    names: ...) with workflow ...`)."""
+    from wde.allocator import in_use
+
     models = config.served_models()
     served = []
     for i, (each, names) in enumerate(((info, model_names), *others)):
@@ -38,7 +41,7 @@ def startup_line(config: ServerConfig, info: EngineInfo, model_names: tuple[str,
     grpc = "" if config.grpc_port is None else \
         f" and TEI's gRPC API at {address(config.host, config.grpc_port).removeprefix('http://')}"
     split = f" through {api_servers} API-server processes" if api_servers else ""
-    return f"serving {', '.join(served)} at {address(config.host, config.port)}{grpc}{split}"
+    return f"serving {', '.join(served)} at {address(config.host, config.port)}{grpc}{split}; allocator {in_use()}"
 
 
 class StartupError(Exception):
