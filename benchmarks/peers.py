@@ -287,10 +287,11 @@ def python_for(engine: str, args: argparse.Namespace) -> str:
 
 
 def engine_env(engine: str) -> dict[str, str]:
-    """The environment each engine runs in. vLLM's CPU docs' setup: its OpenMP threads bound to every core, a KV
-    cache size, tcmalloc and its venv's libiomp5 preloaded. Every other engine, WDE's and the peers run through
-    sentence-transformers alike, with the host's tcmalloc preloaded too (what `wde serve` does itself and
-    docs/operations.md tells Python API users to do), unless `--allocator system`."""
+    """The environment each engine runs in, as its own docs set it up. vLLM's CPU docs: its OpenMP threads bound to
+    every core, a KV cache size, tcmalloc and its venv's libiomp5 preloaded. WDE's engines: the host's tcmalloc
+    preloaded (what `wde serve` does itself and docs/operations.md tells Python API users to do), unless
+    `--allocator system`. The peers run through sentence-transformers: the system's malloc (OpenVINO aborts with
+    tcmalloc preloaded: "free(): invalid pointer")."""
     from wde.allocator import find_tcmalloc  # here, in the driver: the peers' venvs have no wde
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "true",
@@ -299,15 +300,15 @@ def engine_env(engine: str) -> dict[str, str]:
     if engine == "vllm":
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 2) - 1}", VLLM_CPU_KVCACHE_SPACE="2")
         env["LD_PRELOAD"] = ":".join(vllm_preload())
-    elif ALLOCATOR[0] == "tcmalloc" and (tcmalloc := find_tcmalloc()) is not None:
+    elif engine in WDE_DTYPES and ALLOCATOR[0] == "tcmalloc" and (tcmalloc := find_tcmalloc()) is not None:
         env["LD_PRELOAD"] = tcmalloc
-    else:
+    elif engine in WDE_DTYPES:
         env["WDE_ALLOCATOR"] = "system"  # `wde serve` too
     return env
 
 
 ALLOCATOR = ["tcmalloc"]
-"""`--allocator`: tcmalloc (where the host has it) or the system's malloc, for every engine but vLLM."""
+"""`--allocator`: tcmalloc (where the host has it) or the system's malloc, for WDE's engines."""
 
 
 ISA_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
@@ -538,7 +539,7 @@ def main() -> None:
     ap.add_argument("--isa", default="native", choices=["native", *ISA_CAPS],
                     help="avx2: run every engine as on a host without AVX-512 (see ISA_CAPS)")
     ap.add_argument("--allocator", default="tcmalloc", choices=["tcmalloc", "system"],
-                    help="system: every engine but vLLM (whose docs preload tcmalloc) on the system's malloc")
+                    help="system: WDE's engines on the system's malloc (default: the host's tcmalloc, as `wde serve` runs)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     ISA_CAP.update(ISA_CAPS.get(args.isa, {}))
@@ -565,8 +566,9 @@ def main() -> None:
     from wde.allocator import find_tcmalloc
 
     allocator = "tcmalloc" if args.allocator == "tcmalloc" and find_tcmalloc() else "the system's malloc"
-    print(f"host: {cpu_summary()}{capped}; {time.strftime('%Y-%m-%d')}; dtype {args.dtype}; allocator {allocator}"
-          " (vLLM: tcmalloc and libiomp5, as its docs set it up)")
+    print(f"host: {cpu_summary()}{capped}; {time.strftime('%Y-%m-%d')}; dtype {args.dtype}; WDE's allocator"
+          f" {allocator} (vLLM: tcmalloc and libiomp5, as its docs set it up; the sentence-transformers peers: the"
+          " system's malloc)")
     print(f"workload: {len(texts['short'])} short texts ({tokens['short']} tokens), {len(texts['long'])} long"
           f" ({tokens['long']} tokens)" + ("" if args.serve_only else f"; fidelity also on {len(texts['corpus'])}"
                                              f" generated corpus texts and {len(texts['queries'])} queries, and"
