@@ -19,6 +19,8 @@
 // dequantize_quantize_rows_: dequantize_rows_, then each row quantized as quantize_rows would for the int8 layer that
 //   takes this one's output (BERT's MLP: up, then down) while the row is still in L1, instead of a later pass that
 //   reads the whole output back.
+// dequantize_add_layer_norm_: dequantize_rows_, then add_layer_norm with the block's residual, in the norm's first
+//   pass (BERT's post-norm after its attention output and MLP down projections), instead of two passes.
 //
 // GCC vector types (16 floats: one AVX-512 register, two AVX2 ones) and polynomial exp (~1 ulp) and erf (~1e-6
 // absolute), rows split over torch's intra-op threads. Built for the host's instruction set like the attention kernel.
@@ -34,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 namespace {
 
@@ -221,6 +224,36 @@ void dequantize_quantize_impl(float* yp, const float* sp, const float* zp, const
   });
 }
 
+// LayerNorm of the row o [n] in place, given the sum of its values (acc, lanes, plus tail): the mean, then the
+// variance from a second pass over the row while it sits in L1, then the scale and shift
+inline void layer_norm_row(float* o, int64_t n, vf acc, float tail, const float* w, const float* b, float eps) {
+  float sum = tail;
+  for (int64_t i = 0; i < VW; ++i) sum += acc[i];
+  const float mean = sum / static_cast<float>(n);
+  vf sq = {};
+  float sqt = 0.f;
+  int64_t c = 0;
+  for (; c + VW <= n; c += VW) {
+    const vf d = vload(o + c) - mean;
+    sq += d * d;
+  }
+  for (; c < n; ++c) sqt += (o[c] - mean) * (o[c] - mean);
+  for (int64_t i = 0; i < VW; ++i) sqt += sq[i];
+  const float rstd = 1.f / std::sqrt(sqt / static_cast<float>(n) + eps);
+  for (c = 0; c + VW <= n; c += VW) {
+    vf v = (vload(o + c) - mean) * rstd;
+    if (w) v *= vload(w + c);
+    if (b) v += vload(b + c);
+    vstore(o + c, v);
+  }
+  for (; c < n; ++c) {
+    float v = (o[c] - mean) * rstd;
+    if (w) v *= w[c];
+    if (b) v += b[c];
+    o[c] = v;
+  }
+}
+
 template <typename T>
 void add_layer_norm_impl(const T* x, const float* res, const float* w, const float* b, float eps, int64_t rows,
                          int64_t n, float* out) {
@@ -241,35 +274,55 @@ void add_layer_norm_impl(const T* x, const float* res, const float* w, const flo
         o[c] = static_cast<float>(xr[c]) + rr[c];
         tail += o[c];
       }
-      float sum = tail;
-      for (int64_t i = 0; i < VW; ++i) sum += acc[i];
-      const float mean = sum / static_cast<float>(n);
-      vf sq = {};
-      float sqt = 0.f;
-      for (c = 0; c + VW <= n; c += VW) {
-        const vf d = vload(o + c) - mean;
-        sq += d * d;
-      }
-      for (; c < n; ++c) sqt += (o[c] - mean) * (o[c] - mean);
-      for (int64_t i = 0; i < VW; ++i) sqt += sq[i];
-      const float rstd = 1.f / std::sqrt(sqt / static_cast<float>(n) + eps);
-      for (c = 0; c + VW <= n; c += VW) {
-        vf v = (vload(o + c) - mean) * rstd;
-        if (w) v *= vload(w + c);
-        if (b) v += vload(b + c);
-        vstore(o + c, v);
+      layer_norm_row(o, n, acc, tail, w, b, eps);
+    }
+  });
+}
+
+// dequantize_impl (no activation) and add_layer_norm_impl in one pass over y, in place: each row of the int8 GEMM's
+// output is dequantized and the residual added as the norm's first pass reads it
+void dequantize_add_layer_norm_impl(float* yp, const float* sp, const float* zp, const float* cs, const float* bias,
+                                    const float* res, const float* w, const float* b, float eps, int64_t rows,
+                                    int64_t n) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* o = yp + r * n;
+      const float* rr = res + r * n;
+      const float s = sp[r], z = zp[r];
+      vf acc = {};
+      float tail = 0.f;
+      int64_t c = 0;
+      for (; c + VW <= n; c += VW) {
+        vf v = s * (vload(o + c) - z * vload(cs + c));
+        if (bias) v += vload(bias + c);
+        const vf h = v + vload(rr + c);
+        vstore(o + c, h);
+        acc += h;
       }
       for (; c < n; ++c) {
-        float v = (o[c] - mean) * rstd;
-        if (w) v *= w[c];
-        if (b) v += b[c];
-        o[c] = v;
+        float v = s * (o[c] - z * cs[c]) + (bias ? bias[c] : 0.f);
+        o[c] = v + rr[c];
+        tail += o[c];
       }
+      layer_norm_row(o, n, acc, tail, w, b, eps);
     }
   });
 }
 
 }  // namespace
+
+// a LayerNorm's weight and bias [n] (float32 or None), checked
+std::pair<const float*, const float*> norm_params(const c10::optional<at::Tensor>& weight,
+                                                 const c10::optional<at::Tensor>& bias, int64_t n) {
+  for (const auto* t : {&weight, &bias}) {
+    if (t->has_value()) {
+      TORCH_CHECK((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() && (*t)->numel() == n,
+                  "cpu_ops: weight and bias must be contiguous float32 [n]");
+    }
+  }
+  return {weight.has_value() ? weight->data_ptr<float>() : nullptr,
+          bias.has_value() ? bias->data_ptr<float>() : nullptr};
+}
 
 // LayerNorm(x + residual) over the last dim: x [rows, n] float32 / bfloat16, residual [rows, n] float32 (both
 // contiguous), weight / bias [n] float32 or None. Returns a new float32 [rows, n] tensor.
@@ -279,16 +332,7 @@ at::Tensor add_layer_norm(const at::Tensor& x, const at::Tensor& residual, const
               residual.sizes() == x.sizes() && residual.scalar_type() == at::kFloat,
               "cpu_ops: x and a float32 residual of one shape, contiguous 2-d CPU tensors");
   const int64_t rows = x.size(0), n = x.size(1);
-  const float* w = nullptr;
-  const float* b = nullptr;
-  for (const auto* t : {&weight, &bias}) {
-    if (t->has_value()) {
-      TORCH_CHECK((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() && (*t)->numel() == n,
-                  "cpu_ops: weight and bias must be contiguous float32 [n]");
-    }
-  }
-  if (weight.has_value()) w = weight->data_ptr<float>();
-  if (bias.has_value()) b = bias->data_ptr<float>();
+  const auto [w, b] = norm_params(weight, bias, n);
   at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
   if (x.scalar_type() == at::kFloat) {
     add_layer_norm_impl(x.data_ptr<float>(), residual.data_ptr<float>(), w, b, static_cast<float>(eps), rows, n,
@@ -405,10 +449,27 @@ std::vector<at::Tensor> dequantize_quantize_rows_(at::Tensor& y, const at::Tenso
   return {q, s2, z2};
 }
 
+// dequantize_rows_ (no activation) on y [rows, n], then LayerNorm(y + residual) in place, in one pass: y becomes
+// what add_layer_norm(dequantize_rows_(y, ...), residual, weight, norm_bias, eps) returns. Returns y.
+at::Tensor dequantize_add_layer_norm_(at::Tensor& y, const at::Tensor& scale, const at::Tensor& zero,
+                                      const at::Tensor& colsum, const c10::optional<at::Tensor>& bias,
+                                      const at::Tensor& residual, const c10::optional<at::Tensor>& weight,
+                                      const c10::optional<at::Tensor>& norm_bias, double eps) {
+  const Dequant d = dequant_args(y, scale, zero, colsum, bias, NONE);
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == y.sizes() && residual.scalar_type() == at::kFloat,
+              "cpu_ops: the residual must be a contiguous float32 tensor of y's shape");
+  const auto [w, b] = norm_params(weight, norm_bias, d.m);
+  dequantize_add_layer_norm_impl(d.y, d.scale, d.zero, d.colsum, d.bias, residual.data_ptr<float>(), w, b,
+                                 static_cast<float>(eps), d.rows, d.m);
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_layer_norm", &add_layer_norm, "LayerNorm(x + residual), float32 out (CPU)");
   m.def("quantize_rows", &quantize_rows, "per-row asymmetric u8 quantization (CPU)");
   m.def("dequantize_rows_", &dequantize_rows_, "per-row dequantization, bias and activation, in place (CPU)");
   m.def("dequantize_quantize_rows_", &dequantize_quantize_rows_,
         "dequantize_rows_, then the rows quantized for the next int8 layer in the same pass (CPU)");
+  m.def("dequantize_add_layer_norm_", &dequantize_add_layer_norm_,
+        "dequantize_rows_, the residual added and LayerNorm, in one pass, in place (CPU)");
 }

@@ -369,6 +369,55 @@ def test_dequantize_quantize_rows_is_the_two_passes_in_one(act: int) -> None:
         assert q.shape == (70 if multiple == 1 else 96, 200)
 
 
+@pytest.mark.parametrize("width", [384, 100])
+@pytest.mark.parametrize("affine", [True, False], ids=["bias-affine", "bare"])
+def test_dequantize_add_layer_norm_is_the_two_passes_in_one(width: int, affine: bool) -> None:
+    """The fused pass gives what `dequantize_rows_` then `add_layer_norm` give, to float32 rounding."""
+    kernel = int8_linear.int8_kernel()
+    if kernel is None:
+        pytest.skip("the int8 elementwise kernel cannot be built here")
+    g = torch.Generator().manual_seed(7)
+    y, scale, zero = torch.randn(70, width, generator=g) * 40, torch.rand(70, generator=g), torch.rand(70) * 255
+    colsum, residual = torch.randn(width, generator=g), torch.randn(70, width, generator=g)
+    bias, w, b = (torch.randn(width, generator=g) if affine else None for _ in range(3))
+    apart = kernel.add_layer_norm(kernel.dequantize_rows_(y.clone(), scale, zero, colsum, bias, 0), residual, w, b,
+                                  1e-12)
+    fused = y.clone()
+    got = kernel.dequantize_add_layer_norm_(fused, scale, zero, colsum, bias, residual, w, b, 1e-12)
+    assert got.data_ptr() == fused.data_ptr()  # in place
+    assert (got - apart).abs().max() <= 1e-5 * max(1.0, float(apart.abs().max()))
+    with pytest.raises(RuntimeError, match="residual"):
+        kernel.dequantize_add_layer_norm_(y.clone(), scale, zero, colsum, bias, residual[:, :-1].contiguous(), w, b,
+                                          1e-12)
+
+
+@needs_vnni
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_an_int8_layer_before_a_post_norm_gives_the_norm_of_its_output(kernel: bool,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`linear_add_layer_norm` on an `Int8Linear` (BERT's attention output and MLP down projections): the same as
+    the layer's output added to the residual and normed, with the kernel's one pass or without the kernel."""
+    from wde.components.models.fused import add_layer_norm, linear_add_layer_norm
+
+    if kernel and int8_linear.int8_kernel() is None:
+        pytest.skip("the int8 elementwise kernel cannot be built here")
+    if not kernel:
+        _torch_path(monkeypatch)
+    g = torch.Generator().manual_seed(8)
+    layer = Int8Linear(nn.Linear(96, 64), rows=40, smooth=torch.rand(96, generator=g) + 0.5)
+    norm = nn.LayerNorm(64)
+    nn.init.normal_(norm.weight, generator=g)
+    nn.init.normal_(norm.bias, generator=g)
+    x, residual = torch.randn(37, 96, generator=g), torch.randn(37, 64, generator=g)
+    with torch.inference_mode():
+        want = add_layer_norm(layer(x), residual, norm)
+        got = linear_add_layer_norm(layer, x, residual, norm)
+        assert got.shape == (37, 64)
+        assert (got - want).abs().max() <= 1e-4
+        plain = nn.Linear(96, 64)
+        assert torch.equal(linear_add_layer_norm(plain, x, residual, norm), add_layer_norm(plain(x), residual, norm))
+
+
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
 def test_quantized_rows_are_padded_to_the_multiple_with_zeros(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The u8 rows come rounded up to `multiple` (oneDNN then sees few distinct row counts), zero past the last;

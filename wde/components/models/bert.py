@@ -17,7 +17,7 @@ from wde.components.attention.base import AttentionBackend, AttentionMetadata, W
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.base import PrefillModel
 from wde.components.models.decoder_layers import RMSNorm
-from wde.components.models.fused import add_layer_norm
+from wde.components.models.fused import linear_add_layer_norm
 from wde.components.models.loader import fused_linear
 from wde.errors import ModelLoadError
 
@@ -69,7 +69,7 @@ class BertSelfOutput(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "LayerNorm"):
-            return add_layer_norm(self.dense(x), residual, self.LayerNorm)
+            return linear_add_layer_norm(self.dense, x, residual, self.LayerNorm)
         return self.dense(x) + residual
 
 

@@ -15,13 +15,31 @@ import torch
 from torch import nn
 
 
+class AddNormLinear(nn.Module):
+    """The contract of a linear layer with a path of its own for `norm(layer(x) + residual)` (BERT's post-norm after
+    a projection, `linear_add_layer_norm`): `add_layer_norm(x, residual, norm)` returns what
+    `add_layer_norm(layer(x), residual, norm)` would, to float32 rounding. `Int8Linear` implements it: its
+    dequantizing pass is the norm's first pass."""
+
+    def add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def linear_add_layer_norm(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor,
+                          norm: nn.LayerNorm) -> torch.Tensor:
+    """`norm(linear(x) + residual)`, through the layer's own path where it has one (`AddNormLinear`)."""
+    if isinstance(linear, AddNormLinear):
+        return linear.add_layer_norm(x, residual, norm)
+    return add_layer_norm(linear(x), residual, norm)
+
+
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
     """`norm(x + residual)` (BERT's post-norm)."""
     if x.is_cuda:
         from wde.kernels.fused_norm import add_layer_norm as fused
 
         return fused(x, residual, norm.weight, norm.bias, norm.eps)
-    if _cpu_fusable(x, residual, norm):
+    if cpu_fusable(x, residual, norm):
         from wde.kernels.cpp_build import cpu_ops
 
         kernel = cpu_ops()
@@ -33,7 +51,7 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) 
     return norm(x + residual)
 
 
-def _cpu_fusable(x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> bool:
+def cpu_fusable(x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> bool:
     """Whether `add_layer_norm`'s CPU kernel computes exactly what `norm(x + residual)` would here (inference)."""
     params = [p for p in (norm.weight, norm.bias) if p is not None]
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and residual.dtype == torch.float32

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from wde.components.models.cpu_linear import cpu_capabilities
+from wde.components.models.fused import AddNormLinear, add_layer_norm, cpu_fusable
 
 log = logging.getLogger("wde.models")
 
@@ -142,7 +143,7 @@ def dequantize_rows_(y: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, c
     return torch.relu_(y) if act == 3 else y
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(AddNormLinear):
     """`nn.Linear`'s function (then, with `post_op`, an activation) with an int8 weight (per output channel)
     prepacked for oneDNN and activations quantized per token at each call; input float32 or bfloat16, output
     float32. Inference only.
@@ -175,8 +176,11 @@ class Int8Linear(nn.Module):
         """Set `feeds` (a reference, not a submodule: the layer stays where the model has it)."""
         object.__setattr__(self, "feeds", layer)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
+    def _gemm(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x's rows quantized (or taken as handed by the layer feeding this one), times the int8 weight: (the GEMM's
+        float32 output with the weight scales applied, [rows, out_features], each row's scale and zero point)."""
+        if _WATCHING:
+            _WATCHING[-1][0](self, x)
         handed, self._handed.rows = getattr(self._handed, "rows", None), None
         if handed is not None and handed[0] is x and handed[1] == _version(x):  # the very tensor, unchanged since
             q, scale, zero = handed[2:]
@@ -184,20 +188,47 @@ class Int8Linear(nn.Module):
             q, scale, zero = quantize_rows(x.reshape(-1, self.in_features), self.smooth, ROW_MULTIPLE)
         y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, self.packed, self.w_scale, self.w_zero, None, 1.0, 0,
                                                torch.float32, "none", [], "")[:len(scale)]  # the padding's rows dropped
+        return y, scale, zero
+
+    def add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+        """`norm(self(x) + residual)` (`AddNormLinear`): the dequantizing pass is the norm's first pass
+        (`dequantize_add_layer_norm_`) where the kernel is built and the norm is one `add_layer_norm` fuses."""
+        if self.feeds is not None or self.post_op != ("none", ""):
+            return add_layer_norm(self(x), residual, norm)
+        y, scale, zero = self._gemm(x)
+        shape = (*x.shape[:-1], self.out_features)
+        kernel = int8_kernel()
+        flat = residual.reshape(-1, self.out_features)
+        if kernel is None or not cpu_fusable(y, flat, norm):
+            return add_layer_norm(dequantize_rows_(y, scale, zero, self.colsum, self.bias, 0).view(shape), residual,
+                                  norm)
+        return kernel.dequantize_add_layer_norm_(y, scale, zero, self.colsum, self.bias, flat.contiguous(),
+                                                 norm.weight, norm.bias, norm.eps).view(shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y, scale, zero = self._gemm(x)
         act = ACTIVATIONS[self.post_op]
         kernel = int8_kernel() if self.feeds is not None else None
         if kernel is None:
-            return dequantize_rows_(y, scale, zero, self.colsum, self.bias, act).reshape(*shape[:-1], self.out_features)
-        rows = kernel.dequantize_quantize_rows_(y, scale, zero, self.colsum, self.bias, act, self.feeds.smooth,
-                                                ROW_MULTIPLE)
-        out = y.reshape(*shape[:-1], self.out_features)
-        self.feeds._handed.rows = (out, _version(out), *rows)
+            out = dequantize_rows_(y, scale, zero, self.colsum, self.bias, act).reshape(*shape[:-1], self.out_features)
+        else:
+            rows = kernel.dequantize_quantize_rows_(y, scale, zero, self.colsum, self.bias, act, self.feeds.smooth,
+                                                    ROW_MULTIPLE)
+            out = y.reshape(*shape[:-1], self.out_features)
+            self.feeds._handed.rows = (out, _version(out), *rows)
+        if _WATCHING:
+            _WATCHING[-1][1](self, out)
         return out
-
 
     def extra_repr(self) -> str:
         fused = "" if self.post_op[0] == "none" else f", fused {'/'.join(p for p in self.post_op if p)}"
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 onednn{fused}"
+
+
+_WATCHING: list[tuple[Callable[[Int8Linear, torch.Tensor], None], Callable[[Int8Linear, torch.Tensor], None]]] = []
+"""While `chain_layers` watches a forward: its (input seen, output made) callbacks, which every int8 layer calls,
+however the model calls it (`forward`, or `add_layer_norm`, which module hooks would not see)."""
 
 
 def _version(x: torch.Tensor) -> int | None:
@@ -315,25 +346,22 @@ def chain_layers(model: nn.Module, forward: Callable[[], object]) -> int:
     outputs: dict[int, tuple[Int8Linear, torch.Tensor, int]] = {}
     fed: dict[Int8Linear, Int8Linear] = {}
 
-    def before(module: nn.Module, args: tuple) -> None:
-        producer = outputs.get(id(args[0])) if args and isinstance(args[0], torch.Tensor) else None
-        if producer is not None and producer[1] is args[0] and producer[2] == args[0]._version:
-            fed[producer[0]] = module  # type: ignore[assignment]
+    def before(layer: Int8Linear, x: torch.Tensor) -> None:
+        producer = outputs.get(id(x))
+        if producer is not None and producer[1] is x and producer[2] == x._version:
+            fed[producer[0]] = layer
 
-    def after(module: nn.Module, args: tuple, output: object) -> None:
-        if isinstance(output, torch.Tensor):
-            outputs[id(output)] = (module, output, output._version)  # type: ignore[assignment]
+    def after(layer: Int8Linear, output: torch.Tensor) -> None:
+        outputs[id(output)] = (layer, output, output._version)
 
     for layer in layers:
         layer.feed(None)
-    hooks = [h for layer in layers for h in (layer.register_forward_pre_hook(before),
-                                             layer.register_forward_hook(after))]
+    _WATCHING.append((before, after))
     try:
         with torch.inference_mode(False), torch.no_grad():
             forward()
     finally:
-        for hook in hooks:
-            hook.remove()
+        _WATCHING.pop()
     for producer, consumer in fed.items():
         producer.feed(consumer)
     return len(fed)
