@@ -107,6 +107,46 @@ def test_real_timings_run_and_decide(cache: Path) -> None:
     assert len(json.loads(cache.read_text())) == 2
 
 
+def test_attention_is_timed_through_the_models_own_backend(cache: Path) -> None:
+    """`auto` times the backend the model will run (not PyTorch's SDPA): packed groups in the low dtype, as is and
+    cast up to float32, and caches the verdict under the backend's name."""
+    seen: list[tuple[str, torch.dtype, tuple[int, ...], list[int], bool]] = []
+
+    class Spy:
+        name = "spy"
+
+        def build_metadata(self, batch, causal):
+            return (batch.seq_lens, batch.cu_seqlens.tolist(), causal)
+
+        def forward(self, q, k, v, meta, scale):
+            seen.append(("call", q.dtype, tuple(q.shape), meta[0], meta[2]))
+            assert meta[1][-1] == q.shape[0] and scale == q.shape[-1] ** -0.5
+            return q
+
+    got = cpu_kernels.attention_dtype("auto", 3, 8, torch.bfloat16, backend=Spy(), causal=True)
+    assert got in (torch.bfloat16, torch.float32)
+    groups = {(shape, tuple(lens)) for _, _, shape, lens, _ in seen}
+    assert groups == {((n * length, 3, 8), (length,) * n) for n, length in cpu_kernels.ATTENTION_LENGTHS}
+    assert {dtype for _, dtype, *_ in seen} == {torch.bfloat16, torch.float32} and all(c for *_, c in seen)
+    key, = json.loads(cache.read_text())
+    assert "|attention (spy, causal)|bfloat16|" in key
+    seen.clear()  # cached: the next start does not time again
+    assert cpu_kernels.attention_dtype("auto", 3, 8, torch.bfloat16, backend=Spy(), causal=True) == got
+    assert not seen
+
+
+def test_a_bf16_model_times_its_own_attention_backend(cache: Path, tiny_bert: Path) -> None:
+    """End to end on a fresh host: a bf16 model's start times its linear layers and its own attention backend
+    (`auto`, whose packed CPU kernel runs these groups), both verdicts cached."""
+    with Engine.from_workflow("bert", tiny_bert, dtype="bfloat16", device="cpu",
+                              overrides=["pooler.params.pooling=mean"]) as engine:
+        model = engine.components["model"]
+        assert model.attention_dtype in (torch.bfloat16, torch.float32)
+        assert np.isfinite(engine.embed(["a text"])).all()
+    kinds = {key.split("|")[3] for key in json.loads(cache.read_text())}
+    assert kinds == {"linear layers", "attention (auto)"}
+
+
 def test_float32_attention_wraps_any_backend() -> None:
     class Inner:
         name, supports_bias = "inner", True
@@ -129,12 +169,18 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
+class _Named:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
 def _seed(cache: Path, linear_float32: bool, attention_float32: bool) -> None:
     """Cached verdicts for MiniLM's shapes, as a host of each kind would have measured them."""
     low = torch.bfloat16
     shapes = {"linear layers": [(384, 384), (384, 1152), (384, 1536), (1536, 384)],
               "attention": [(n, 12, length, 32) for n, length in cpu_kernels.ATTENTION_LENGTHS]}
-    wins = {"linear layers": linear_float32, "attention": attention_float32}
+    shapes[cpu_kernels.attention_kind(_Named("auto"))] = shapes.pop("attention")  # MiniLM's backend: auto
+    wins = {"linear layers": linear_float32, cpu_kernels.attention_kind(_Named("auto")): attention_float32}
     data = {f"{cpu_kernels.host_key()}|{kind}|bfloat16|{sorted(set(s))}": {"low": 2.0 if wins[kind] else 1.0,
                                                                           "float32": 1.0}
             for kind, s in shapes.items()}

@@ -226,15 +226,17 @@ class PrefillModel(nn.Module, Model):
         config settings it does not implement, or reads what it needs before `build` (nothing here)."""
 
     def _mixed_attention_dtype(self, params: ModelParams) -> torch.dtype:
-        """The dtype attention runs in under mixed precision: the low dtype or float32 (cpu_kernels.py), timed at
-        the config's heads and head size (the low dtype when the config names neither)."""
+        """The dtype attention runs in under mixed precision: the low dtype or float32 (cpu_kernels.py), the
+        model's attention backend timed at the config's heads and head size (the low dtype when the config names
+        neither)."""
         cfg = self.config
         heads = getattr(cfg, "num_attention_heads", None)
         hidden = getattr(cfg, "hidden_size", None)
         head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if heads and hidden else None)
         if params.mixed_precision_kernels == "auto" and not (isinstance(heads, int) and isinstance(head_dim, int)):
             return self.dtype
-        return attention_dtype(params.mixed_precision_kernels, heads or 0, head_dim or 0, self.dtype)
+        return attention_dtype(params.mixed_precision_kernels, heads or 0, head_dim or 0, self.dtype,
+                               backend=self.attn_backend, causal=self.causal)
 
     @property
     def hidden_size(self) -> int:

@@ -11,8 +11,9 @@ only when it is clearly faster (`MARGIN`), and it only ever makes the result clo
 - linear layers: the model's distinct (in, out) shapes, `ROWS` tokens, through the path each dtype would take
   (oneDNN prepacked or PyTorch's, `resolve_cpu_linear`). float32 linear layers keep float32 weights, so a model
   whose linear weights would pass `MAX_FLOAT32_BYTES` in float32 keeps its low dtype without measuring.
-- attention: PyTorch's SDPA at the model's heads and head size, on a short and a long sequence group; float32
-  attention casts q/k/v up and its output back (`Float32Attention`).
+- attention: the model's own attention backend (`auto`: WDE's packed CPU kernel where it runs) at the model's heads
+  and head size, on a short and a long packed sequence group, q/k/v in the low dtype; float32 attention casts q/k/v
+  up and its output back (`Float32Attention`), both timed.
 
 Timings run single-threaded (the engine's CPU streams run one thread each), alternated, best of `ROUNDS`, so a
 busy neighbour slows both sides alike. The verdict is cached in `$WDE_CACHE_DIR` (default `~/.cache/wde`)
@@ -195,15 +196,26 @@ def _linear_candidates(shapes: list[tuple[int, int]], low: torch.dtype) -> dict[
     return {name: run(pairs) for name, pairs in layers.items()}
 
 
+def attention_kind(backend: Any | None, causal: bool = False) -> str:
+    """The cache's name for an attention timing: of the model's own backend (`attention (auto)`, `attention (auto,
+    causal)`), or PyTorch's SDPA where none is given (`attention`)."""
+    return "attention" if backend is None else f"attention ({backend.name}{', causal' if causal else ''})"
+
+
 def attention_dtype(choice: MixedKernels, heads: int, head_dim: int, low: torch.dtype,
-                    timer: Timer = best_times) -> torch.dtype:
-    """The dtype a mixed-precision CPU model's attention runs in (see the module docstring)."""
+                    timer: Timer = best_times, backend: Any | None = None, causal: bool = False) -> torch.dtype:
+    """The dtype a mixed-precision CPU model's attention runs in (see the module docstring): `backend` (the model's
+    `AttentionBackend`) timed as the model would call it, in the low dtype and through `Float32Attention`; PyTorch's
+    SDPA where none is given."""
     if choice == "low":
         return low
     if choice == "float32":
         return torch.float32
     shapes = [(n, heads, length, head_dim) for n, length in ATTENTION_LENGTHS]
-    return decide("attention", shapes, low, lambda: _attention_candidates(shapes, low), timer)
+    if backend is None:
+        return decide(attention_kind(None), shapes, low, lambda: _attention_candidates(shapes, low), timer)
+    return decide(attention_kind(backend, causal), shapes, low,
+                  lambda: _backend_candidates(backend, shapes, low, causal), timer)
 
 
 def _attention_candidates(shapes: list[tuple[int, int, int, int]],
@@ -220,6 +232,33 @@ def _attention_candidates(shapes: list[tuple[int, int, int, int]],
         return fn
 
     return {"low": run(low), "float32": run(torch.float32)}
+
+
+def _backend_candidates(backend: Any, shapes: list[tuple[int, int, int, int]], low: torch.dtype,
+                        causal: bool) -> dict[str, Callable[[], object]]:
+    """The backend over packed groups of `shapes` ((sequences, heads, length, head_dim)): q/k/v in the low dtype,
+    as the model's projections give them, run as is and through `Float32Attention` (cast up, output cast back)."""
+    from wde.components.model_input_builder import ModelInput
+
+    g = torch.Generator().manual_seed(0)
+    groups = []
+    for n, heads, length, head_dim in shapes:
+        tokens = n * length
+        batch = ModelInput(input_ids=torch.zeros(tokens, dtype=torch.long),
+                           positions=torch.arange(length).repeat(n),
+                           cu_seqlens=torch.arange(0, tokens + 1, length, dtype=torch.int32),
+                           seq_lens=[length] * n, max_seqlen=length)
+        qkv = [torch.randn(tokens, heads, head_dim, generator=g).to(low) for _ in range(3)]
+        groups.append((qkv, backend.build_metadata(batch, causal), head_dim ** -0.5))
+
+    def run(attention: Any) -> Callable[[], object]:
+        def fn() -> None:
+            with torch.no_grad():
+                for (q, k, v), meta, scale in groups:
+                    attention.forward(q, k, v, meta, scale)
+        return fn
+
+    return {"low": run(backend), "float32": run(Float32Attention(backend))}
 
 
 class Float32Attention:
