@@ -3,7 +3,8 @@
 
 Why: an engine allocates and frees tensors of a new size for every packed batch; glibc's malloc maps and unmaps the
 large ones from the kernel each time (page faults on every first touch), tcmalloc keeps them. Measured on a 2-vCPU
-Zen 5 (docs/benchmarks.md): offline int8 and long texts 3-8% faster, bf16 short texts within the noise.
+Zen 5 (docs/operations.md, "The memory allocator"): int8 offline 5-15% faster, bf16 long texts ~4%, bf16 short texts
+within the noise.
 
 `WDE_ALLOCATOR=system` keeps glibc's malloc; `WDE_ALLOCATOR=tcmalloc` (the default) uses tcmalloc where the host has
 it (`libtcmalloc_minimal.so.4` or `libtcmalloc.so.4`, e.g. Debian/Ubuntu's `libgoogle-perftools4`) and glibc's malloc
