@@ -346,6 +346,14 @@ at::Tensor add_layer_norm(const at::Tensor& x, const at::Tensor& residual, const
   return out;
 }
 
+// SmoothQuant's per-channel factor [k] (float32, contiguous) or None, checked
+const float* factor_arg(const c10::optional<at::Tensor>& factor, int64_t k) {
+  if (!factor.has_value()) return nullptr;
+  TORCH_CHECK(factor->scalar_type() == at::kFloat && factor->is_contiguous() && factor->numel() == k,
+              "cpu_ops: factor must be a contiguous float32 [", k, "]");
+  return factor->data_ptr<float>();
+}
+
 // u8 [rows rounded up to a multiple of `multiple`, k], the rows past `rows` zero (oneDNN's int8 GEMM builds a
 // primitive per distinct row count: rounded counts repeat, see int8_linear.ROW_MULTIPLE)
 at::Tensor padded_bytes(int64_t rows, int64_t k, int64_t multiple, const at::TensorOptions& options) {
@@ -361,12 +369,7 @@ at::Tensor padded_bytes(int64_t rows, int64_t k, int64_t multiple, const at::Ten
 std::vector<at::Tensor> quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>& factor, int64_t multiple) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "cpu_ops: x must be a contiguous 2-d CPU tensor");
   const int64_t rows = x.size(0), k = x.size(1);
-  const float* f = nullptr;
-  if (factor.has_value()) {
-    TORCH_CHECK(factor->scalar_type() == at::kFloat && factor->is_contiguous() && factor->numel() == k,
-                "cpu_ops: factor must be a contiguous float32 [k]");
-    f = factor->data_ptr<float>();
-  }
+  const float* f = factor_arg(factor, k);
   at::Tensor q = padded_bytes(rows, k, multiple, x.options());
   at::Tensor scale = at::empty({rows}, x.options().dtype(at::kFloat));
   at::Tensor zero = at::empty({rows}, x.options().dtype(at::kFloat));
@@ -433,12 +436,7 @@ std::vector<at::Tensor> dequantize_quantize_rows_(at::Tensor& y, const at::Tenso
                                                   int64_t act, const c10::optional<at::Tensor>& factor,
                                                   int64_t multiple) {
   const Dequant d = dequant_args(y, scale, zero, colsum, bias, act);
-  const float* f = nullptr;
-  if (factor.has_value()) {
-    TORCH_CHECK(factor->scalar_type() == at::kFloat && factor->is_contiguous() && factor->numel() == d.m,
-                "cpu_ops: factor must be a contiguous float32 [m]");
-    f = factor->data_ptr<float>();
-  }
+  const float* f = factor_arg(factor, d.m);
   at::Tensor q = padded_bytes(d.rows, d.m, multiple, y.options());
   at::Tensor s2 = at::empty({d.rows}, y.options());
   at::Tensor z2 = at::empty({d.rows}, y.options());

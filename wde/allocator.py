@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes.util
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 ENV = "WDE_ALLOCATOR"
@@ -41,10 +42,14 @@ def find_tcmalloc() -> str | None:
     return None
 
 
+def _preloaded(environ: Mapping[str, str]) -> bool:
+    return "tcmalloc" in environ.get("LD_PRELOAD", "")
+
+
 def in_use() -> str:
     """Which allocator this process runs with: 'tcmalloc' when one is preloaded, else 'system' (for the start-up
     log)."""
-    return "tcmalloc" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "system"
+    return "tcmalloc" if _preloaded(os.environ) else "system"
 
 
 def restart_env(environ: dict[str, str], argv: list[str]) -> dict[str, str] | None:
@@ -54,8 +59,7 @@ def restart_env(environ: dict[str, str], argv: list[str]) -> dict[str, str] | No
     choice = environ.get(ENV, "tcmalloc").strip().lower() or "tcmalloc"
     if choice not in CHOICES:
         raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}, got {environ[ENV]!r}")
-    if (choice == "system" or _STARTED in environ or "tcmalloc" in environ.get("LD_PRELOAD", "")
-            or not any(a in _COMMANDS for a in argv[1:2])):
+    if choice == "system" or _STARTED in environ or _preloaded(environ) or not any(a in _COMMANDS for a in argv[1:2]):
         return None
     lib = find_tcmalloc()
     if lib is None:
