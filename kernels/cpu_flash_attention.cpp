@@ -13,10 +13,14 @@
 // products and softmax run in float with GCC vector types (16 floats: one AVX-512 register, two AVX2 ones), scores
 // and outputs of 4 query rows held in registers, and a polynomial exp. bf16 inputs where the compiler targets
 // AVX512-BF16 (__AVX512BF16__) and head_dim is 32, 64 or 128 take Q.K^T and P.V with vdpbf16ps (bf16 pairs along
-// the reduction, float accumulators): keys stay bf16 as pairs of dimensions, values are interleaved as pairs of
-// keys, and the softmax weights P are rounded to bf16 as GPU flash kernels do; the softmax itself stays in float.
-// head_dim is a template argument for 32, 64 and 128 (other sizes take plain loops). wde/components/attention/
-// cpu_flash.py builds it for the host's own instruction set (-march=native), or for AVX2 under torch's AVX2 cap.
+// the reduction, float accumulators): keys stay bf16 as pairs of dimensions (16 keys at a time through a 16 x 16
+// transpose), values are interleaved as pairs of keys, and the softmax weights P are rounded to bf16 as GPU flash
+// kernels do. On that path the softmax runs on the scores while they are still in registers, 4 rows at a time: their
+// maxima reduced together, the weights as 2^((s - max) scale log2 e) with a degree-4 polynomial (relative error
+// 2.7e-6, far below the weights' bf16 rounding), written as bf16 pairs for P.V; rows and keys are prefetched ahead
+// of the blocks and conversions that read them. head_dim is a template argument for 32, 64 and 128 (other sizes
+// take plain loops). wde/components/attention/cpu_flash.py builds it for the host's own instruction set
+// (-march=native), or for AVX2 under torch's AVX2 cap.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -28,6 +32,7 @@
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -193,29 +198,6 @@ inline void accumulate(float (*acc)[D], const float* vt, const float (*s)[KB], c
 #ifdef __AVX512BF16__
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
-// s[r][0:NV*VW] = scale * q2[r] . k2[:, 0:NV*VW] for rows r0 .. r0+RG-1; q2 / k2: pairs of bf16 along head_dim
-template <int64_t D, int64_t NV>
-inline void scores_bf16(const uint32_t (*q2)[D / 2], const uint32_t* kt, float (*s)[KB], int64_t r0, float scale) {
-  __m512 acc[RG][NV];
-  for (int64_t r = 0; r < RG; ++r)
-    for (int64_t x = 0; x < NV; ++x) acc[r][x] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < D / 2; ++c) {
-    __m512i kc[NV];
-    for (int64_t x = 0; x < NV; ++x) {
-      __m512i t = _mm512_loadu_si512(kt + c * KB + x * VW);
-      IN_REGISTER(t);
-      kc[x] = t;
-    }
-    for (int64_t r = 0; r < RG; ++r) {
-      const __m512bh qv = as_bh(_mm512_set1_epi32(static_cast<int>(q2[r0 + r][c])));
-      for (int64_t x = 0; x < NV; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], qv, as_bh(kc[x]));
-    }
-  }
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t r = 0; r < RG; ++r)
-    for (int64_t x = 0; x < NV; ++x) _mm512_storeu_ps(&s[r0 + r][x * VW], _mm512_mul_ps(acc[r][x], sc));
-}
-
 // acc[r] = acc[r] * alpha[r] + p2[r][0:np] . v2[0:np] for rows r0 .. r0+RP-1; p2 / v2 are pairs of bf16 along keys
 template <int64_t D>
 inline void accumulate_bf16(float (*acc)[D], const uint32_t* vt, const uint32_t (*p2)[KB / 2], const float* alpha,
@@ -240,25 +222,10 @@ inline void accumulate_bf16(float (*acc)[D], const uint32_t* vt, const uint32_t 
     for (int64_t x = 0; x < D / VW; ++x) _mm512_storeu_ps(&acc[r0 + r][x * VW], o[r][x]);
 }
 
-// the first n floats of s, rounded to bf16 (round to nearest even), as n / 2 pairs
-inline void to_bf16_pairs(const float* s, uint32_t* out, int64_t n) {
-  for (int64_t x = 0; x < n; x += 2 * VW) {
-    const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + x + VW), _mm512_loadu_ps(s + x));
-    _mm512_storeu_si512(out + x / 2, (__m512i)b);
-  }
-}
 constexpr bool HAS_DPBF16 = true;
 #else
 constexpr bool HAS_DPBF16 = false;
 #endif
-
-inline uint16_t bf16_bits(const c10::BFloat16& x) { return x.x; }
-inline uint16_t bf16_bits(float x) { return c10::BFloat16(x).x; }  // rounded to nearest even
-// dimensions 2c, 2c+1 of a row as one pair of bf16 (the low half first, as vdpbf16ps reads them)
-inline uint32_t bf16_pair(const c10::BFloat16* p, int64_t c) { return reinterpret_cast<const uint32_t*>(p)[c]; }
-inline uint32_t bf16_pair(const float* p, int64_t c) {
-  return static_cast<uint32_t>(bf16_bits(p[2 * c])) | (static_cast<uint32_t>(bf16_bits(p[2 * c + 1])) << 16);
-}
 
 // f(std::integral_constant<int64_t, nv>) for nv in 1 .. KB / VW: kernels specialized for a tile's first nv * VW keys
 template <typename F>
@@ -272,9 +239,8 @@ inline void with_width(int64_t nv, F&& f) {
   }
 }
 
-// the keys [kc0, kc1) of one sequence and kv head, converted into kv for the float path (DP false) or the bf16
-// dot-product path (DP true)
-template <typename scalar_t, int64_t D, bool DP>
+// the keys [kc0, kc1) of one sequence and kv head, converted into kv for the float path
+template <typename scalar_t, int64_t D>
 void load_kv(const Problem& pb, const Packed<const scalar_t>& k, const Packed<const scalar_t>& v, int64_t start,
              int64_t kvh, int64_t kc0, int64_t kc1, KV& kv) {
   const int64_t d = D > 0 ? D : pb.d;
@@ -287,43 +253,25 @@ void load_kv(const Problem& pb, const Packed<const scalar_t>& k, const Packed<co
     kv.bias[j] = j >= n ? NEG_INF : (pb.key_mask == nullptr || pb.key_mask[start + kc0 + j]) ? 0.f : NEG_INF;
     if (kv.bias[j] != 0.f) kv.masked[j / KB] = 1;
   }
-  if constexpr (DP) {
-    kv.k2.resize(tiles * (d / 2) * KB);
-    kv.v2.resize(tiles * (KB / 2) * d);
-    for (int64_t j = n; j < kpad; ++j) {  // keys past the range that are read: zeros (0 times a stale NaN is NaN)
-      uint32_t* kt = kv.k2.data() + (j / KB) * (d / 2) * KB + j % KB;
-      for (int64_t c = 0; c < d / 2; ++c) kt[c * KB] = 0u;
-      uint16_t* vt = reinterpret_cast<uint16_t*>(kv.v2.data() + (j / 2) * d) + (j & 1);
-      for (int64_t c = 0; c < d; ++c) vt[2 * c] = 0;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const scalar_t* ks = k.row(start + kc0 + j, kvh);
-      uint32_t* kt = kv.k2.data() + (j / KB) * (d / 2) * KB + j % KB;
-      for (int64_t c = 0; c < d / 2; ++c) kt[c * KB] = bf16_pair(ks, c);
-      const scalar_t* vs = v.row(start + kc0 + j, kvh);
-      uint16_t* vt = reinterpret_cast<uint16_t*>(kv.v2.data() + (j / 2) * d) + (j & 1);
-      for (int64_t c = 0; c < d; ++c) vt[2 * c] = bf16_bits(vs[c]);
-    }
-  } else {
-    kv.kf.resize(tiles * d * KB);
-    kv.vf_.resize(tiles * KB * d);
-    for (int64_t j = n; j < kpad; ++j) {  // keys past the range that are read: zeros in K (their V rows are not)
-      float* kt = kv.kf.data() + (j / KB) * d * KB + j % KB;
-      for (int64_t c = 0; c < d; ++c) kt[c * KB] = 0.f;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const scalar_t* ks = k.row(start + kc0 + j, kvh);
-      const scalar_t* vs = v.row(start + kc0 + j, kvh);
-      float* kt = kv.kf.data() + (j / KB) * d * KB + j % KB;
-      for (int64_t c = 0; c < d; ++c) kt[c * KB] = static_cast<float>(ks[c]);
-      float* vt = kv.vf_.data() + j * d;
-      for (int64_t c = 0; c < d; ++c) vt[c] = static_cast<float>(vs[c]);
-    }
+  kv.kf.resize(tiles * d * KB);
+  kv.vf_.resize(tiles * KB * d);
+  for (int64_t j = n; j < kpad; ++j) {  // keys past the range that are read: zeros in K (their V rows are not)
+    float* kt = kv.kf.data() + (j / KB) * d * KB + j % KB;
+    for (int64_t c = 0; c < d; ++c) kt[c * KB] = 0.f;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const scalar_t* ks = k.row(start + kc0 + j, kvh);
+    const scalar_t* vs = v.row(start + kc0 + j, kvh);
+    float* kt = kv.kf.data() + (j / KB) * d * KB + j % KB;
+    for (int64_t c = 0; c < d; ++c) kt[c * KB] = static_cast<float>(ks[c]);
+    float* vt = kv.vf_.data() + j * d;
+    for (int64_t c = 0; c < d; ++c) vt[c] = static_cast<float>(vs[c]);
   }
 }
 
-// One query block (rows q0 .. q0+QB-1 of a sequence, one head) against the task's converted keys kv (from kc0).
-template <typename scalar_t, int64_t D, bool DP>
+// One query block (rows q0 .. q0+QB-1 of a sequence, one head) against the task's converted keys kv (from kc0):
+// the float path.
+template <typename scalar_t, int64_t D>
 void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Packed<scalar_t>& out, const KV& kv,
                   int64_t start, int64_t len, int64_t q0, int64_t head, int64_t kc0, int64_t kc1) {
   constexpr bool VEC = D > 0 && D % VW == 0;
@@ -334,8 +282,6 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
   alignas(64) float qf[QB][DB];
   alignas(64) float acc[QB][DB];
   alignas(64) float s[QB][KB];
-  alignas(64) uint32_t q2[DP ? QB : 1][DP ? DB / 2 : 1];
-  alignas(64) uint32_t p2[DP ? QB : 1][KB / 2];
   alignas(64) float m[QB], mnew[QB], alpha[QB];
   vf lv[QB];  // each row's sum of weights, 16 lanes
   bool live[QB];
@@ -343,11 +289,7 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
   std::fill(mnew, mnew + QB, NEG_INF);
   for (int64_t r = 0; r < rows_padded; ++r) {
     const scalar_t* src = r < rows ? q.row(start + q0 + r, head) : nullptr;
-    if constexpr (DP) {
-      for (int64_t c = 0; c < d / 2; ++c) q2[r][c] = src ? bf16_pair(src, c) : 0u;
-    } else {
-      for (int64_t c = 0; c < d; ++c) qf[r][c] = src ? static_cast<float>(src[c]) * pb.scale : 0.f;
-    }
+    for (int64_t c = 0; c < d; ++c) qf[r][c] = src ? static_cast<float>(src[c]) * pb.scale : 0.f;
     for (int64_t c = 0; c < d; ++c) acc[r][c] = 0.f;
     lv[r] = vf{};
   }
@@ -362,16 +304,9 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
     const int64_t kb = kc0 + t * KB;
     const int64_t nk = std::min(KB, kc1 - kb);
     const float* kbias = kv.bias.data() + t * KB;
-    const int64_t nv = VEC || DP ? (nk + VW - 1) / VW : KB / VW;  // vectors of keys computed: s[:, 0:width]
+    const int64_t nv = VEC ? (nk + VW - 1) / VW : KB / VW;  // vectors of keys computed: s[:, 0:width]
     const int64_t width = nv * VW;
-    if constexpr (DP) {
-#ifdef __AVX512BF16__
-      const uint32_t* kt = kv.k2.data() + t * (D / 2) * KB;
-      with_width(nv, [&](auto w) {
-        for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) scores_bf16<D, w>(q2, kt, s, r0, pb.scale);
-      });
-#endif
-    } else if constexpr (VEC) {
+    if constexpr (VEC) {
       const float* kt = kv.kf.data() + t * D * KB;
       with_width(nv, [&](auto w) {
         for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) scores<D, w>(qf, kt, s, r0);
@@ -427,16 +362,8 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
         lv[r] = lv[r] * vsplat(alpha[r]) + sv;
         m[r] = mnew[r];
       }
-#ifdef __AVX512BF16__
-      if constexpr (DP) to_bf16_pairs(sr, p2[r], width);
-#endif
     }
-    if constexpr (DP) {
-#ifdef __AVX512BF16__
-      const uint32_t* vt = kv.v2.data() + t * (KB / 2) * D;
-      for (int64_t r0 = 0; r0 < rows_padded; r0 += RP<D>) accumulate_bf16<D>(acc, vt, p2, alpha, r0, (nk + 1) / 2);
-#endif
-    } else if constexpr (VEC) {
+    if constexpr (VEC) {
       const float* vt = kv.vf_.data() + t * KB * D;
       for (int64_t r0 = 0; r0 < rows_padded; r0 += RP<D>) accumulate<D>(acc, vt, s, alpha, r0, nk);
     } else {
@@ -458,6 +385,266 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
     for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<scalar_t>(acc[r][c] * inv);
   }
 }
+
+#ifdef __AVX512BF16__
+// ---- The bf16 dot-product path: the softmax of a tile runs on the scores while they are still in registers ----
+
+// 2^x lane by lane for x <= 0 (the softmax weights, in base 2): 2^n times a degree-4 polynomial of the remainder in
+// [-1/2, 1/2] (relative error 2.7e-6, far below the bf16 rounding the weights then take); exactly 0 at or below
+// -200 (a masked key's -inf).
+inline __m512 exp2_weights(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.571397677063942e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5917978286743164e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024713039398193e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931217908859253e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999992847442627e-1f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// the lanes [a, b) of a vector of 16 keys, as a mask (none where b <= a)
+inline __mmask16 lane_range(int64_t a, int64_t b) {
+  a = std::clamp<int64_t>(a, 0, VW);
+  b = std::clamp<int64_t>(b, 0, VW);
+  return b > a ? static_cast<__mmask16>(((1u << b) - 1u) & ~((1u << a) - 1u)) : 0;
+}
+
+struct RowState {  // a query block's online softmax, row by row
+  alignas(64) float m[QB];       // running maximum of the raw scores q . k
+  alignas(64) float alpha[QB];   // this tile's factor on each row's output so far
+  __m512 l[QB];                  // running sum of the weights, 16 lanes
+  __mmask16 lanes[QB][KB / VW];  // this tile's keys a row may attend, where not all of them (full false)
+  bool full[QB];
+};
+
+// Rows r0 .. r0+RG-1 against one key tile (its first NV vectors of keys): the raw scores q2 . k2 in registers,
+// masked (key-mask bias, then each row's lanes), the rows' new maxima, the factors alpha = 2^((old - new max) c),
+// the weights 2^((s - new max) c) added to the rows' sums and rounded to bf16 pairs of keys in p2. c = scale log2 e.
+template <int64_t D, int64_t NV>
+inline void softmax_tile(const uint32_t (*q2)[D / 2], const uint32_t* kt, const float* kbias, float c, int64_t r0,
+                         RowState& st, uint32_t (*p2)[KB / 2]) {
+  __m512 acc[RG][NV];
+  for (int64_t r = 0; r < RG; ++r)
+    for (int64_t x = 0; x < NV; ++x) acc[r][x] = _mm512_setzero_ps();
+  for (int64_t cc = 0; cc < D / 2; ++cc) {
+    __m512i kc[NV];
+    for (int64_t x = 0; x < NV; ++x) {
+      __m512i t = _mm512_loadu_si512(kt + cc * KB + x * VW);
+      IN_REGISTER(t);
+      kc[x] = t;
+    }
+    for (int64_t r = 0; r < RG; ++r) {
+      const __m512bh qv = as_bh(_mm512_set1_epi32(static_cast<int>(q2[r0 + r][cc])));
+      for (int64_t x = 0; x < NV; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], qv, as_bh(kc[x]));
+    }
+  }
+  static_assert(RG == 4, "the maxima of a tile's rows are reduced four at a time, one per 128-bit lane");
+  const __m512 neg = _mm512_set1_ps(NEG_INF), cv = _mm512_set1_ps(c);
+  __m512 mx[RG];
+  for (int64_t r = 0; r < RG; ++r) {
+    const int64_t i = r0 + r;
+    mx[r] = neg;
+    for (int64_t x = 0; x < NV; ++x) {
+      if (kbias != nullptr) acc[r][x] = _mm512_add_ps(acc[r][x], _mm512_loadu_ps(kbias + x * VW));
+      if (!st.full[i]) acc[r][x] = _mm512_mask_mov_ps(neg, st.lanes[i][x], acc[r][x]);
+      mx[r] = _mm512_max_ps(mx[r], acc[r][x]);
+    }
+  }
+  // the four rows' maxima at once: row r's in every lane of 128-bit lane r
+  const __m512 m01 = _mm512_max_ps(_mm512_shuffle_f32x4(mx[0], mx[1], 0x44), _mm512_shuffle_f32x4(mx[0], mx[1], 0xee));
+  const __m512 m23 = _mm512_max_ps(_mm512_shuffle_f32x4(mx[2], mx[3], 0x44), _mm512_shuffle_f32x4(mx[2], mx[3], 0xee));
+  __m512 tmax = _mm512_max_ps(_mm512_shuffle_f32x4(m01, m23, 0x88), _mm512_shuffle_f32x4(m01, m23, 0xdd));
+  tmax = _mm512_max_ps(tmax, _mm512_permute_ps(tmax, 0x4e));
+  tmax = _mm512_max_ps(tmax, _mm512_permute_ps(tmax, 0xb1));
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512 mold = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(st.m + r0)));
+  const __m512 mnew = _mm512_max_ps(mold, tmax);
+  // a row with no key yet (new max -inf) keeps its state: factor 1, weights zeros
+  const __mmask16 none = _mm512_cmp_ps_mask(mnew, neg, _CMP_EQ_OQ);
+  const __m512 alpha = exp2_weights(_mm512_maskz_mul_ps(~none, _mm512_sub_ps(mold, mnew), cv));
+  const __m512 mc = _mm512_maskz_mul_ps(~none, mnew, cv);
+  const __m512i gather = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+  _mm_storeu_ps(st.m + r0, _mm512_castps512_ps128(_mm512_permutexvar_ps(gather, mnew)));
+  _mm_storeu_ps(st.alpha + r0, _mm512_castps512_ps128(_mm512_permutexvar_ps(gather, alpha)));
+  for (int64_t r = 0; r < RG; ++r) {
+    const int64_t i = r0 + r;
+    const __m512 mcr = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(4 * r)), mc);
+    __m512 e[NV + NV % 2];
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t x = 0; x < NV; ++x) {
+      e[x] = exp2_weights(_mm512_fmsub_ps(acc[r][x], cv, mcr));
+      sum = _mm512_add_ps(sum, e[x]);
+    }
+    if constexpr (NV % 2 != 0) e[NV] = _mm512_setzero_ps();
+    for (int64_t x = 0; x < NV; x += 2)
+      _mm512_store_si512(p2[i] + x * VW / 2, (__m512i)_mm512_cvtne2ps_pbh(e[x + 1], e[x]));
+    const __m512 ar = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(4 * r)), alpha);
+    st.l[i] = _mm512_fmadd_ps(st.l[i], ar, sum);
+  }
+}
+
+// a row of D values as D / 2 pairs of bf16 (float ones rounded to nearest even)
+template <int64_t D>
+inline void load_pairs(const c10::BFloat16* src, uint32_t* dst) {
+  for (int64_t c = 0; c < D; c += 2 * VW) _mm512_storeu_si512(dst + c / 2, _mm512_loadu_si512(src + c));
+}
+template <int64_t D>
+inline void load_pairs(const float* src, uint32_t* dst) {
+  for (int64_t c = 0; c < D; c += 2 * VW)
+    _mm512_storeu_si512(dst + c / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + c + VW),
+                                                                   _mm512_loadu_ps(src + c)));
+}
+
+// 16 x 16 transpose of 32-bit lanes: r[c] then holds lane c of each of the 16 rows given
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16], v[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + k], 128-bit lane L: rows 4g .. 4g+3 of column 4L + k
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);
+    v[4 + k] = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xdd);
+    v[8 + k] = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
+    v[12 + k] = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xdd);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_shuffle_i32x4(v[k], v[8 + k], 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(v[4 + k], v[12 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(v[k], v[8 + k], 0xdd);
+    r[12 + k] = _mm512_shuffle_i32x4(v[4 + k], v[12 + k], 0xdd);
+  }
+}
+
+// the keys [kc0, kc1) of one sequence and kv head, converted for the bf16 dot-product path: K as [tile][D/2][KB]
+// pairs of bf16 (dimensions 2c, 2c+1 of a key; 16 keys at a time through a 16 x 16 transpose), V as [key/2][D]
+// pairs of bf16 (keys 2j, 2j+1 of a dimension; two rows interleaved). Keys past the range that are read are zeros.
+template <typename scalar_t, int64_t D>
+void load_kv_dp(const Problem& pb, const Packed<const scalar_t>& k, const Packed<const scalar_t>& v, int64_t start,
+                int64_t kvh, int64_t kc0, int64_t kc1, KV& kv) {
+  const int64_t n = kc1 - kc0;
+  const int64_t tiles = (n + KB - 1) / KB;
+  kv.masked.assign(tiles, 0);
+  if (pb.key_mask != nullptr) {  // a -inf bias on masked keys, and which tiles hold one
+    kv.bias.resize(tiles * KB);
+    for (int64_t j = 0; j < tiles * KB; ++j) {
+      kv.bias[j] = j < n && pb.key_mask[start + kc0 + j] ? 0.f : NEG_INF;
+      if (j < n && kv.bias[j] != 0.f) kv.masked[j / KB] = 1;
+    }
+  }
+  kv.k2.resize(tiles * (D / 2) * KB);
+  kv.v2.resize(tiles * (KB / 2) * D);
+  const auto prefetch = [&](const Packed<const scalar_t>& x, int64_t j) {  // key j's row of x, if in the range
+    if (j < n) _mm_prefetch(reinterpret_cast<const char*>(x.row(start + kc0 + j, kvh)), _MM_HINT_T0);
+  };
+  for (int64_t j = 0; j < VW; ++j) prefetch(k, j);
+  for (int64_t j0 = 0; j0 < n; j0 += VW) {
+    for (int64_t j = j0; j < j0 + VW; ++j) {  // the next 16 keys' K rows and these 16 keys' V rows, read later
+      prefetch(k, j + VW);
+      prefetch(v, j);
+    }
+    uint32_t* kt = kv.k2.data() + (j0 / KB) * (D / 2) * KB + j0 % KB;
+    for (int64_t cc = 0; cc < D / 2; cc += VW) {  // 16 pairs of dimensions of 16 keys
+      __m512i r[VW];
+      for (int64_t jj = 0; jj < VW; ++jj) {
+        alignas(64) uint32_t row[D / 2];
+        if (j0 + jj < n) {
+          load_pairs<2 * VW>(k.row(start + kc0 + j0 + jj, kvh) + 2 * cc, row);
+          r[jj] = _mm512_load_si512(row);
+        } else {
+          r[jj] = _mm512_setzero_si512();
+        }
+      }
+      transpose16(r);
+      for (int64_t c = 0; c < VW; ++c) _mm512_storeu_si512(kt + (cc + c) * KB, r[c]);
+    }
+  }
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                      5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t j = 0; j < n; j += 2) {  // keys j, j+1 (zeros past the range), 32 dimensions at a time
+    uint32_t* vt = kv.v2.data() + (j / 2) * D;
+    for (int64_t c = 0; c < D; c += 2 * VW) {
+      alignas(64) uint32_t a[VW], b[VW];
+      load_pairs<2 * VW>(v.row(start + kc0 + j, kvh) + c, a);
+      if (j + 1 < n) load_pairs<2 * VW>(v.row(start + kc0 + j + 1, kvh) + c, b);
+      else std::fill(b, b + VW, 0u);
+      const __m512i x = _mm512_load_si512(a), y = _mm512_load_si512(b);
+      _mm512_storeu_si512(vt + c, _mm512_permutex2var_epi16(x, lo, y));
+      _mm512_storeu_si512(vt + c + VW, _mm512_permutex2var_epi16(x, hi, y));
+    }
+  }
+}
+
+// One query block (rows q0 .. q0+QB-1 of a sequence, one head) against the task's converted keys kv (from kc0):
+// the bf16 dot-product path.
+template <typename scalar_t, int64_t D>
+void attend_block_dp(const Problem& pb, const Packed<const scalar_t>& q, const Packed<scalar_t>& out, const KV& kv,
+                     int64_t start, int64_t len, int64_t q0, int64_t head, int64_t kc0, int64_t kc1) {
+  const int64_t rows = std::min(QB, len - q0);
+  const int64_t rows_padded = (rows + ROW_PAD - 1) / ROW_PAD * ROW_PAD;
+  alignas(64) uint32_t q2[QB][D / 2];
+  alignas(64) float acc[QB][D];
+  alignas(64) uint32_t p2[QB][KB / 2];
+  RowState st;
+  for (int64_t r = 0; r < std::min(QB, len - q0 - QB); ++r)  // the next block's queries, while this one runs
+    _mm_prefetch(reinterpret_cast<const char*>(q.row(start + q0 + QB + r, head)), _MM_HINT_T0);
+  for (int64_t r = 0; r < rows_padded; ++r) {
+    if (r < rows) load_pairs<D>(q.row(start + q0 + r, head), q2[r]);
+    else std::fill(q2[r], q2[r] + D / 2, 0u);
+    std::fill(acc[r], acc[r] + D, 0.f);
+    st.m[r] = NEG_INF;
+    st.l[r] = _mm512_setzero_ps();
+  }
+  const float c = pb.scale * wde_exp::LOG2E;
+  // keys any row of this block may reach, then the tiles that hold them
+  const int64_t last = q0 + rows - 1;
+  const int64_t k_begin = std::max<int64_t>(0, q0 - pb.left);
+  int64_t k_end = std::min(len, last + std::min(pb.right, len) + 1);
+  if (pb.causal) k_end = std::min(k_end, last + 1);
+  const int64_t t_begin = std::max<int64_t>(0, k_begin - kc0) / KB;
+  const int64_t t_end = (std::min(k_end, kc1) - kc0 + KB - 1) / KB;
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const int64_t kb = kc0 + t * KB;
+    const int64_t nk = std::min(KB, kc1 - kb);
+    const int64_t nv = (nk + VW - 1) / VW;  // vectors of keys computed
+    for (int64_t r = 0; r < rows_padded; ++r) {  // the keys of the tile each row may attend: [lo, hi)
+      const int64_t i = q0 + r;
+      const int64_t lo = std::max<int64_t>(i - pb.left, kb) - kb;
+      const int64_t reach = pb.causal ? i : i + std::min(pb.right, len);
+      const int64_t hi = r >= rows ? 0 : std::min<int64_t>(reach, kb + nk - 1) - kb + 1;
+      st.full[r] = lo == 0 && hi == nv * VW;
+      if (!st.full[r])
+        for (int64_t x = 0; x < nv; ++x) st.lanes[r][x] = lane_range(lo - x * VW, hi - x * VW);
+    }
+    const float* kbias = kv.masked[t] ? kv.bias.data() + t * KB : nullptr;
+    const uint32_t* kt = kv.k2.data() + t * (D / 2) * KB;
+    with_width(nv, [&](auto w) {
+      for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) softmax_tile<D, w>(q2, kt, kbias, c, r0, st, p2);
+    });
+    const uint32_t* vt = kv.v2.data() + t * (KB / 2) * D;
+    for (int64_t r0 = 0; r0 < rows_padded; r0 += RP<D>) accumulate_bf16<D>(acc, vt, p2, st.alpha, r0, (nk + 1) / 2);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    scalar_t* dst = out.row(start + q0 + r, head);
+    const float l = _mm512_reduce_add_ps(st.l[r]);
+    const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+    for (int64_t x = 0; x < D; x += VW) {
+      const __m512 o = _mm512_mul_ps(_mm512_load_ps(acc[r] + x), inv);
+      if constexpr (std::is_same_v<scalar_t, float>) _mm512_storeu_ps(dst + x, o);
+      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + x), (__m256i)_mm512_cvtneps_pbh(o));
+    }
+  }
+}
+#endif
 
 // the keys [kc0, kc1) that query rows [r0, r1) of a sequence of length len may reach
 inline std::pair<int64_t, int64_t> key_range(const Problem& pb, int64_t len, int64_t r0, int64_t r1) {
@@ -514,9 +701,20 @@ void run(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::
       const Task& task = tasks[t];
       const int64_t start = pb.cu[task.seq], len = pb.cu[task.seq + 1] - start;
       const auto [kc0, kc1] = key_range(pb, len, task.b0 * QB, std::min(len, task.b1 * QB));
-      load_kv<scalar_t, D, DP>(pb, kp, vp, start, task.head / (pb.hq / pb.hk), kc0, kc1, kv);
+      const int64_t kvh = task.head / (pb.hq / pb.hk);
+#ifdef __AVX512BF16__
+      if constexpr (DP) {
+        for (int64_t r = task.b0 * QB; r < std::min(len, task.b0 * QB + QB); ++r)  // the first block's queries
+          _mm_prefetch(reinterpret_cast<const char*>(qp.row(start + r, task.head)), _MM_HINT_T0);
+        load_kv_dp<scalar_t, D>(pb, kp, vp, start, kvh, kc0, kc1, kv);
+        for (int64_t b = task.b0; b < task.b1; ++b)
+          attend_block_dp<scalar_t, D>(pb, qp, op, kv, start, len, b * QB, task.head, kc0, kc1);
+        continue;
+      }
+#endif
+      load_kv<scalar_t, D>(pb, kp, vp, start, kvh, kc0, kc1, kv);
       for (int64_t b = task.b0; b < task.b1; ++b)
-        attend_block<scalar_t, D, DP>(pb, qp, op, kv, start, len, b * QB, task.head, kc0, kc1);
+        attend_block<scalar_t, D>(pb, qp, op, kv, start, len, b * QB, task.head, kc0, kc1);
     }
   });
 }
