@@ -415,7 +415,12 @@ struct RowState {  // a query block's online softmax, row by row
   alignas(64) float m[QB];       // running maximum of the raw scores q . k
   alignas(64) float alpha[QB];   // this tile's factor on each row's output so far
   __m512 l[QB];                  // running sum of the weights, 16 lanes
-  __mmask16 lanes[QB][KB / VW];  // this tile's keys a row may attend, where not all of them (full false)
+  // this tile's keys a row may attend: where uniform, tile_lanes for every row below `rows` (all of the tile's
+  // computed keys where tile_full) and none for the padding rows; else lanes of a row where not all of them (full)
+  bool uniform, tile_full;
+  int64_t rows;
+  __mmask16 tile_lanes[KB / VW];
+  __mmask16 lanes[QB][KB / VW];
   bool full[QB];
 };
 
@@ -448,7 +453,9 @@ inline void softmax_tile(const uint32_t (*q2)[D / 2], const uint32_t* kt, const 
     mx[r] = neg;
     for (int64_t x = 0; x < NV; ++x) {
       if (kbias != nullptr) acc[r][x] = _mm512_add_ps(acc[r][x], _mm512_loadu_ps(kbias + x * VW));
-      if (!st.full[i]) acc[r][x] = _mm512_mask_mov_ps(neg, st.lanes[i][x], acc[r][x]);
+      if (st.uniform ? i >= st.rows || !st.tile_full : !st.full[i])
+        acc[r][x] = _mm512_mask_mov_ps(neg, st.uniform ? (i < st.rows ? st.tile_lanes[x] : 0) : st.lanes[i][x],
+                                       acc[r][x]);
       mx[r] = _mm512_max_ps(mx[r], acc[r][x]);
     }
   }
@@ -605,6 +612,7 @@ void attend_block_dp(const Problem& pb, const Packed<const scalar_t>& q, const P
     st.l[r] = _mm512_setzero_ps();
   }
   const float c = pb.scale * wde_exp::LOG2E;
+  const bool global = !pb.causal && pb.left >= len && pb.right >= len;
   // keys any row of this block may reach, then the tiles that hold them
   const int64_t last = q0 + rows - 1;
   const int64_t k_begin = std::max<int64_t>(0, q0 - pb.left);
@@ -616,7 +624,11 @@ void attend_block_dp(const Problem& pb, const Packed<const scalar_t>& q, const P
     const int64_t kb = kc0 + t * KB;
     const int64_t nk = std::min(KB, kc1 - kb);
     const int64_t nv = (nk + VW - 1) / VW;  // vectors of keys computed
-    for (int64_t r = 0; r < rows_padded; ++r) {  // the keys of the tile each row may attend: [lo, hi)
+    st.uniform = global;  // every row reaches every key of the tile: one mask for them all
+    st.rows = rows;
+    st.tile_full = nk == nv * VW;
+    for (int64_t x = 0; x < nv; ++x) st.tile_lanes[x] = lane_range(-x * VW, nk - x * VW);
+    if (!global) for (int64_t r = 0; r < rows_padded; ++r) {  // the keys of the tile each row may attend: [lo, hi)
       const int64_t i = q0 + r;
       const int64_t lo = std::max<int64_t>(i - pb.left, kb) - kb;
       const int64_t reach = pb.causal ? i : i + std::min(pb.right, len);
@@ -683,6 +695,21 @@ std::vector<Task> plan(const Problem& pb, int64_t nseq, int64_t threads) {
   return tasks;
 }
 
+// the first block's query rows of a task and the first keys' K and V rows it reads, into L2
+template <typename scalar_t>
+void prefetch_task(const Problem& pb, const Packed<const scalar_t>& q, const Packed<const scalar_t>& k,
+                   const Packed<const scalar_t>& v, const Task& task) {
+  const int64_t start = pb.cu[task.seq], len = pb.cu[task.seq + 1] - start;
+  const int64_t kvh = task.head / (pb.hq / pb.hk);
+  for (int64_t r = task.b0 * QB; r < std::min(len, task.b0 * QB + QB); ++r)
+    _mm_prefetch(reinterpret_cast<const char*>(q.row(start + r, task.head)), _MM_HINT_T1);
+  const int64_t kc0 = key_range(pb, len, task.b0 * QB, std::min(len, task.b1 * QB)).first;
+  for (int64_t j = kc0; j < std::min(len, kc0 + 2 * QB); ++j) {
+    _mm_prefetch(reinterpret_cast<const char*>(k.row(start + j, kvh)), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(v.row(start + j, kvh)), _MM_HINT_T1);
+  }
+}
+
 template <typename scalar_t, int64_t D, bool DP>
 void run(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
          int64_t nseq) {
@@ -697,7 +724,11 @@ void run(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::
   // one worker per thread, each taking the next task from the shared counter until none is left
   at::parallel_for(0, std::min(threads, ntasks), 1, [&](int64_t, int64_t) {
     thread_local KV kv;
-    for (int64_t t = next.fetch_add(1); t < ntasks; t = next.fetch_add(1)) {
+    // each worker claims its next task before it runs the one in hand, so that the next one's first queries, keys
+    // and values are on their way into the cache meanwhile (a short sequence's task is mostly waiting for them)
+    for (int64_t t = next.fetch_add(1), after; t < ntasks; t = after) {
+      after = next.fetch_add(1);
+      if (after < ntasks) prefetch_task(pb, qp, kp, vp, tasks[after]);
       const Task& task = tasks[t];
       const int64_t start = pb.cu[task.seq], len = pb.cu[task.seq + 1] - start;
       const auto [kc0, kc1] = key_range(pb, len, task.b0 * QB, std::min(len, task.b1 * QB));
