@@ -389,11 +389,15 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
 #ifdef __AVX512BF16__
 // ---- The bf16 dot-product path: the softmax of a tile runs on the scores while they are still in registers ----
 
-// 2^x lane by lane for x <= 0 (the softmax weights, in base 2): 2^n times a degree-4 polynomial of the remainder in
-// [-1/2, 1/2] (relative error 2.7e-6, far below the bf16 rounding the weights then take); exactly 0 at or below
-// -200 (a masked key's -inf).
+// A masked score on the bf16 dot-product path: finite, so that the weights' exp needs no clamp (a score plus this is
+// this), and far below any real score; a row whose maximum is at or below MASKED_MAX has no key yet.
+constexpr float MASKED = -1e30f;
+constexpr float MASKED_MAX = -1e29f;
+
+// 2^x lane by lane for x <= 0 (the softmax weights, in base 2): 2^floor(x) (vscalefps floors x itself) times a
+// degree-4 polynomial of x - floor(x) in [0, 1) (one vreduceps; relative error 2.7e-6, far below the bf16 rounding
+// the weights then take); exactly 0 for a masked score's x (MASKED times the scale, or less).
 inline __m512 exp2_weights(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(9.571397677063942e-3f);
@@ -446,7 +450,7 @@ inline void softmax_tile(const uint32_t (*q2)[D / 2], const uint32_t* kt, const 
     }
   }
   static_assert(RG == 4, "the maxima of a tile's rows are reduced four at a time, one per 128-bit lane");
-  const __m512 neg = _mm512_set1_ps(NEG_INF), cv = _mm512_set1_ps(c);
+  const __m512 neg = _mm512_set1_ps(MASKED), cv = _mm512_set1_ps(c);
   __m512 mx[RG];
   for (int64_t r = 0; r < RG; ++r) {
     const int64_t i = r0 + r;
@@ -469,7 +473,7 @@ inline void softmax_tile(const uint32_t (*q2)[D / 2], const uint32_t* kt, const 
   const __m512 mold = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(st.m + r0)));
   const __m512 mnew = _mm512_max_ps(mold, tmax);
   // a row with no key yet (new max -inf) keeps its state: factor 1, weights zeros
-  const __mmask16 none = _mm512_cmp_ps_mask(mnew, neg, _CMP_EQ_OQ);
+  const __mmask16 none = _mm512_cmp_ps_mask(mnew, _mm512_set1_ps(MASKED_MAX), _CMP_LE_OQ);
   const __m512 alpha = exp2_weights(_mm512_maskz_mul_ps(~none, _mm512_sub_ps(mold, mnew), cv));
   const __m512 mc = _mm512_maskz_mul_ps(~none, mnew, cv);
   const __m512i gather = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
@@ -543,7 +547,7 @@ void load_kv_dp(const Problem& pb, const Packed<const scalar_t>& k, const Packed
   if (pb.key_mask != nullptr) {  // a -inf bias on masked keys, and which tiles hold one
     kv.bias.resize(tiles * KB);
     for (int64_t j = 0; j < tiles * KB; ++j) {
-      kv.bias[j] = j < n && pb.key_mask[start + kc0 + j] ? 0.f : NEG_INF;
+      kv.bias[j] = j < n && pb.key_mask[start + kc0 + j] ? 0.f : MASKED;
       if (j < n && kv.bias[j] != 0.f) kv.masked[j / KB] = 1;
     }
   }
@@ -608,7 +612,7 @@ void attend_block_dp(const Problem& pb, const Packed<const scalar_t>& q, const P
     if (r < rows) load_pairs<D>(q.row(start + q0 + r, head), q2[r]);
     else std::fill(q2[r], q2[r] + D / 2, 0u);
     std::fill(acc[r], acc[r] + D, 0.f);
-    st.m[r] = NEG_INF;
+    st.m[r] = MASKED;
     st.l[r] = _mm512_setzero_ps();
   }
   const float c = pb.scale * wde_exp::LOG2E;
