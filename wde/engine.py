@@ -205,12 +205,20 @@ class Engine:
         self.workflow = workflow
         self.source = source
         ctx = BuildContext(source, workflow.name)
-        for kind in COMPONENT_KINDS:
-            rc = workflow.components[kind]
-            try:
-                ctx.components[kind] = rc.cls(rc.params, ctx)
-            except (ModelLoadError, ValueError) as e:
-                raise ModelLoadError(f"workflow {workflow.name!r}: building {kind} {rc.name!r} failed: {e}") from None
+        # built where the executor runs its batches (`Executor.place`): a `thread` executor's device thread, so that
+        # the model loads and first runs on the thread that computes with it (on CPU, one OpenMP pool)
+        place = workflow.components["executor"].cls.place
+
+        def build() -> None:
+            for kind in COMPONENT_KINDS:
+                rc = workflow.components[kind]
+                try:
+                    ctx.components[kind] = rc.cls(rc.params, ctx)
+                except (ModelLoadError, ValueError) as e:
+                    raise ModelLoadError(f"workflow {workflow.name!r}: building {kind} {rc.name!r} failed:"
+                                         f" {e}") from None
+
+        place(build)
         self.components = dict(ctx.components)
         self.tokenizer = ctx.tokenizer
         self.input_processor = ctx.input_processor
@@ -253,7 +261,7 @@ class Engine:
         self.pool_owner = ""
         """The name this engine holds pool tokens under (its served model's)."""
         try:
-            self._probe()
+            place(self._probe)
         except BaseException:
             self.close()
             raise
@@ -377,6 +385,10 @@ class Engine:
         A request's failure costs only that request: the scheduler rejects bad inputs one by one, and a batch
         that fails anywhere from packing to output conversion is split and retried until the culprit runs alone.
         """
+        with self.executor.host_work():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         finished: list[RequestOutput] = []
         done: list[tuple[SchedulableRequest, RequestOutput]] = []
         while len(self._inflight) < self.executor.max_inflight:

@@ -13,8 +13,9 @@ This module imports no torch (validating a workflow checks kinds without it); th
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Iterator, Literal, Mapping, Sequence, TypeVar
 
 from wde.components.base import Component
 from wde.errors import RequestError
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from wde.request import PairPrompt, PoolingParams, Prompt, Request, RequestOutput, SchedulableRequest
+
+T = TypeVar("T")
 
 
 class Tokenizer(Component):
@@ -237,6 +240,19 @@ class Executor(Component):
 
     def shutdown(self) -> None:
         """Release threads; the engine calls it when closed. Nothing by default."""
+
+    @classmethod
+    def place(cls, fn: Callable[[], T]) -> T:
+        """Run `fn` where this executor runs its batches and return its result (or raise its error): the engine
+        builds its components and runs its load probe through it, so that a model loads, packs its weights and first
+        runs on the thread that will compute with it. The calling thread by default."""
+        return fn()
+
+    def host_work(self) -> ContextManager[None]:
+        """Entered by `Engine.step` around its own work (scheduling, packing, output conversion) on the thread that
+        steps the engine. Nothing by default (a `sync` executor computes inside it); an executor that computes on
+        a thread of its own keeps the stepping thread's torch ops off the cores' thread pool there."""
+        return contextlib.nullcontext()
 
 
 class OutputProcessor(Component):
