@@ -269,6 +269,25 @@ void load_kv(const Problem& pb, const Packed<const scalar_t>& k, const Packed<co
   }
 }
 
+// the key tiles [t_begin, t_end) of a task's keys (from kc0 to kc1) that any of the rows q0 .. q0+rows-1 reaches
+inline std::pair<int64_t, int64_t> block_tiles(const Problem& pb, int64_t len, int64_t q0, int64_t rows, int64_t kc0,
+                                               int64_t kc1) {
+  const int64_t last = q0 + rows - 1;
+  const int64_t k_begin = std::max<int64_t>(0, q0 - pb.left);
+  int64_t k_end = std::min(len, last + std::min(pb.right, len) + 1);
+  if (pb.causal) k_end = std::min(k_end, last + 1);
+  return {std::max<int64_t>(0, k_begin - kc0) / KB, (std::min(k_end, kc1) - kc0 + KB - 1) / KB};
+}
+
+// the keys of the tile at kb (nk keys) that row i may attend, as [lo, hi) within the tile (hi <= lo: none; none for
+// a padding row, real false)
+inline std::pair<int64_t, int64_t> row_keys(const Problem& pb, int64_t len, int64_t i, bool real, int64_t kb,
+                                            int64_t nk) {
+  const int64_t lo = std::max<int64_t>(i - pb.left, kb) - kb;
+  const int64_t reach = pb.causal ? i : i + std::min(pb.right, len);
+  return {lo, real ? std::min<int64_t>(reach, kb + nk - 1) - kb + 1 : 0};
+}
+
 // One query block (rows q0 .. q0+QB-1 of a sequence, one head) against the task's converted keys kv (from kc0):
 // the float path.
 template <typename scalar_t, int64_t D>
@@ -293,13 +312,7 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
     for (int64_t c = 0; c < d; ++c) acc[r][c] = 0.f;
     lv[r] = vf{};
   }
-  // keys any row of this block may reach, then the tiles that hold them
-  const int64_t last = q0 + rows - 1;
-  const int64_t k_begin = std::max<int64_t>(0, q0 - pb.left);
-  int64_t k_end = std::min(len, last + std::min(pb.right, len) + 1);
-  if (pb.causal) k_end = std::min(k_end, last + 1);
-  const int64_t t_begin = std::max<int64_t>(0, k_begin - kc0) / KB;
-  const int64_t t_end = (std::min(k_end, kc1) - kc0 + KB - 1) / KB;
+  const auto [t_begin, t_end] = block_tiles(pb, len, q0, rows, kc0, kc1);
   for (int64_t t = t_begin; t < t_end; ++t) {
     const int64_t kb = kc0 + t * KB;
     const int64_t nk = std::min(KB, kc1 - kb);
@@ -327,9 +340,7 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
       float* sr = s[r];
       const int64_t i = q0 + r;
       // allowed keys of row i within the tile: [lo, hi)
-      const int64_t lo = std::max<int64_t>(i - pb.left, kb) - kb;
-      const int64_t reach = pb.causal ? i : i + std::min(pb.right, len);
-      const int64_t hi = r >= rows ? 0 : std::min<int64_t>(reach, kb + nk - 1) - kb + 1;
+      const auto [lo, hi] = row_keys(pb, len, i, r < rows, kb, nk);
       live[r] = hi > lo;
       mnew[r] = m[r];
       if (!live[r]) continue;
@@ -617,13 +628,7 @@ void attend_block_dp(const Problem& pb, const Packed<const scalar_t>& q, const P
   }
   const float c = pb.scale * wde_exp::LOG2E;
   const bool global = !pb.causal && pb.left >= len && pb.right >= len;
-  // keys any row of this block may reach, then the tiles that hold them
-  const int64_t last = q0 + rows - 1;
-  const int64_t k_begin = std::max<int64_t>(0, q0 - pb.left);
-  int64_t k_end = std::min(len, last + std::min(pb.right, len) + 1);
-  if (pb.causal) k_end = std::min(k_end, last + 1);
-  const int64_t t_begin = std::max<int64_t>(0, k_begin - kc0) / KB;
-  const int64_t t_end = (std::min(k_end, kc1) - kc0 + KB - 1) / KB;
+  const auto [t_begin, t_end] = block_tiles(pb, len, q0, rows, kc0, kc1);
   for (int64_t t = t_begin; t < t_end; ++t) {
     const int64_t kb = kc0 + t * KB;
     const int64_t nk = std::min(KB, kc1 - kb);
@@ -634,9 +639,7 @@ void attend_block_dp(const Problem& pb, const Packed<const scalar_t>& q, const P
     for (int64_t x = 0; x < nv; ++x) st.tile_lanes[x] = lane_range(-x * VW, nk - x * VW);
     if (!global) for (int64_t r = 0; r < rows_padded; ++r) {  // the keys of the tile each row may attend: [lo, hi)
       const int64_t i = q0 + r;
-      const int64_t lo = std::max<int64_t>(i - pb.left, kb) - kb;
-      const int64_t reach = pb.causal ? i : i + std::min(pb.right, len);
-      const int64_t hi = r >= rows ? 0 : std::min<int64_t>(reach, kb + nk - 1) - kb + 1;
+      const auto [lo, hi] = row_keys(pb, len, i, r < rows, kb, nk);
       st.full[r] = lo == 0 && hi == nv * VW;
       if (!st.full[r])
         for (int64_t x = 0; x < nv; ++x) st.lanes[r][x] = lane_range(lo - x * VW, hi - x * VW);
