@@ -702,18 +702,19 @@ std::vector<Task> plan(const Problem& pb, int64_t nseq, int64_t threads) {
   return tasks;
 }
 
-// the first block's query rows of a task and the first keys' K and V rows it reads, into L2
+// the first block's query rows of a task and the first keys' K and V rows it reads, towards L2 (GCC's portable
+// prefetch: this part is built for every instruction set)
 template <typename scalar_t>
 void prefetch_task(const Problem& pb, const Packed<const scalar_t>& q, const Packed<const scalar_t>& k,
                    const Packed<const scalar_t>& v, const Task& task) {
   const int64_t start = pb.cu[task.seq], len = pb.cu[task.seq + 1] - start;
   const int64_t kvh = task.head / (pb.hq / pb.hk);
   for (int64_t r = task.b0 * QB; r < std::min(len, task.b0 * QB + QB); ++r)
-    _mm_prefetch(reinterpret_cast<const char*>(q.row(start + r, task.head)), _MM_HINT_T1);
+    __builtin_prefetch(q.row(start + r, task.head), 0, 2);
   const int64_t kc0 = key_range(pb, len, task.b0 * QB, std::min(len, task.b1 * QB)).first;
   for (int64_t j = kc0; j < std::min(len, kc0 + 2 * QB); ++j) {
-    _mm_prefetch(reinterpret_cast<const char*>(k.row(start + j, kvh)), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(v.row(start + j, kvh)), _MM_HINT_T1);
+    __builtin_prefetch(k.row(start + j, kvh), 0, 2);
+    __builtin_prefetch(v.row(start + j, kvh), 0, 2);
   }
 }
 
