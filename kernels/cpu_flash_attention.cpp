@@ -405,9 +405,9 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
 constexpr float MASKED = -1e30f;
 constexpr float MASKED_MAX = -1e29f;
 
-// 2^x lane by lane for x <= 0 (the softmax weights, in base 2): 2^floor(x) (vscalefps floors x itself) times a
-// degree-4 polynomial of x - floor(x) in [0, 1) (one vreduceps; relative error 2.7e-6, far below the bf16 rounding
-// the weights then take); exactly 0 for a masked score's x (MASKED times the scale, or less).
+// 2^x lane by lane for x <= 0 (the softmax weights, in base 2): 2^n, n = x rounded to the nearest integer, times a
+// degree-4 polynomial of x - n in [-1/2, 1/2] (relative error 2.7e-6, far below the bf16 rounding the weights then
+// take); exactly 0 for a masked score's x (MASKED times the scale, or less).
 inline __m512 exp2_weights(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
@@ -483,7 +483,7 @@ inline void softmax_tile(const uint32_t (*q2)[D / 2], const uint32_t* kt, const 
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const __m512 mold = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(st.m + r0)));
   const __m512 mnew = _mm512_max_ps(mold, tmax);
-  // a row with no key yet (new max -inf) keeps its state: factor 1, weights zeros
+  // a row with no key yet (its new max is a masked score's) keeps its state: factor 1, weights zeros
   const __mmask16 none = _mm512_cmp_ps_mask(mnew, _mm512_set1_ps(MASKED_MAX), _CMP_LE_OQ);
   const __m512 alpha = exp2_weights(_mm512_maskz_mul_ps(~none, _mm512_sub_ps(mold, mnew), cv));
   const __m512 mc = _mm512_maskz_mul_ps(~none, mnew, cv);
@@ -555,7 +555,7 @@ void load_kv_dp(const Problem& pb, const Packed<const scalar_t>& k, const Packed
   const int64_t n = kc1 - kc0;
   const int64_t tiles = (n + KB - 1) / KB;
   kv.masked.assign(tiles, 0);
-  if (pb.key_mask != nullptr) {  // a -inf bias on masked keys, and which tiles hold one
+  if (pb.key_mask != nullptr) {  // a MASKED bias on masked keys, and which tiles hold one
     kv.bias.resize(tiles * KB);
     for (int64_t j = 0; j < tiles * KB; ++j) {
       kv.bias[j] = j < n && pb.key_mask[start + kc0 + j] ? 0.f : MASKED;
@@ -628,13 +628,13 @@ void attend_block_dp(const Problem& pb, const Packed<const scalar_t>& q, const P
   }
   const float c = pb.scale * wde_exp::LOG2E;
   const bool global = !pb.causal && pb.left >= len && pb.right >= len;
+  st.uniform = global;  // every row reaches every key of a tile: one mask per tile for them all
+  st.rows = rows;
   const auto [t_begin, t_end] = block_tiles(pb, len, q0, rows, kc0, kc1);
   for (int64_t t = t_begin; t < t_end; ++t) {
     const int64_t kb = kc0 + t * KB;
     const int64_t nk = std::min(KB, kc1 - kb);
     const int64_t nv = (nk + VW - 1) / VW;  // vectors of keys computed
-    st.uniform = global;  // every row reaches every key of the tile: one mask for them all
-    st.rows = rows;
     st.tile_full = nk == nv * VW;
     for (int64_t x = 0; x < nv; ++x) st.tile_lanes[x] = lane_range(-x * VW, nk - x * VW);
     if (!global) for (int64_t r = 0; r < rows_padded; ++r) {  // the keys of the tile each row may attend: [lo, hi)

@@ -33,16 +33,25 @@ in one process never restore each other's count."""
 
 
 @contextlib.contextmanager
+def thread_count(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `count` for the block and restored after it: the calling thread's own
+    OpenMP count, and the count threads that start meanwhile take first."""
+    before = torch.get_num_threads()
+    if before == count:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
 def intra_op_threads(count: int) -> Iterator[None]:
-    """torch's process-wide intra-op thread count lowered to `count` for the block, under `_THREAD_COUNT`, and
-    restored after it."""
-    with _THREAD_COUNT:
-        before = torch.get_num_threads()
-        torch.set_num_threads(count)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
+    """`thread_count(count)` under `_THREAD_COUNT`: one such block at a time in the process."""
+    with _THREAD_COUNT, thread_count(count):
+        yield
 
 
 def auto_streams(threads: int) -> int:

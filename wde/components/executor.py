@@ -15,7 +15,7 @@ import contextlib
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, ContextManager, TypeVar
 
 from pydantic import Field
 
@@ -115,23 +115,11 @@ class ThreadExecutor(Executor):
         wait(list(self._pending))
 
     def host_work(self) -> ContextManager[None]:
-        return single_threaded_ops() if not on_device_thread() else contextlib.nullcontext()
+        """The stepping thread's torch ops (packing, output conversion) on one intra-op thread, so that they never
+        start an OpenMP pool beside the device thread's (module docstring); not taken under `_THREAD_COUNT`, which a
+        split batch on the device thread holds for its whole forward."""
+        if on_device_thread():
+            return contextlib.nullcontext()
+        from wde.components.cpu_streams import thread_count  # torch-side: validating a workflow imports no torch
 
-
-@contextlib.contextmanager
-def single_threaded_ops() -> Iterator[None]:
-    """The calling thread's torch ops on one intra-op thread for the block: its small ops (packing, output
-    conversion) then never start an OpenMP pool of its own beside the device thread's (module docstring). torch's
-    thread count is per thread for OpenMP; only threads that start after the block began and before it ended take
-    its 1 as their first count (the CPU streams' threads set their own)."""
-    import torch
-
-    before = torch.get_num_threads()
-    if before == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+        return thread_count(1)
