@@ -391,6 +391,28 @@ def test_dequantize_add_layer_norm_is_the_two_passes_in_one(width: int, affine: 
                                           1e-12)
 
 
+@pytest.mark.parametrize("multiple", [1, 32])
+def test_dequantize_add_layer_norm_quantize_is_the_norm_then_quantize_rows(multiple: int) -> None:
+    """The norm's pass that also quantizes its rows for the next int8 layer leaves y as `dequantize_add_layer_norm_`
+    does and gives what `quantize_rows` gives on it, bit for bit."""
+    kernel = int8_linear.int8_kernel()
+    if kernel is None:
+        pytest.skip("the int8 elementwise kernel cannot be built here")
+    g = torch.Generator().manual_seed(8)
+    y, scale, zero = torch.randn(70, 100, generator=g) * 40, torch.rand(70, generator=g), torch.rand(70) * 255
+    colsum, residual, bias = torch.randn(100, generator=g), torch.randn(70, 100, generator=g), torch.randn(100)
+    w, b, factor = torch.randn(100, generator=g), torch.randn(100, generator=g), torch.rand(100, generator=g) + 0.5
+    normed = kernel.dequantize_add_layer_norm_(y.clone(), scale, zero, colsum, bias, residual, w, b, 1e-12)
+    for f in (factor, None):
+        fused = y.clone()
+        q, s, z = kernel.dequantize_add_layer_norm_quantize_(fused, scale, zero, colsum, bias, residual, w, b, 1e-12,
+                                                             f, multiple)
+        assert torch.equal(fused, normed)
+        for got, want in zip((q, s, z), kernel.quantize_rows(normed, f, multiple)):
+            assert torch.equal(got, want)
+        assert q.shape == (70 if multiple == 1 else 96, 100)
+
+
 @needs_vnni
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
 def test_an_int8_layer_before_a_post_norm_gives_the_norm_of_its_output(kernel: bool,
@@ -491,15 +513,22 @@ def test_a_layer_quantizes_its_output_for_the_layer_it_feeds(touch: bool, monkey
 
 
 @needs_vnni
-def test_minilm_int8_chains_each_mlp(minilm_path: Path) -> None:
+def test_minilm_int8_chains_its_mlps_and_norms(minilm_path: Path) -> None:
     with Engine.from_workflow("bert", minilm_path, quantization="int8") as engine:
         layers = {n: m for n, m in engine.components["model"].named_modules() if isinstance(m, Int8Linear)}
         assert all(not isinstance(m, Int8Linear) for layer in layers.values() for m in layer.children())
         assert all("int8 onednn" in repr(m) for m in layers.values())  # its extra_repr, in the model's repr
         assert all("fused gelu" in repr(layers[n]) for n in layers if n.endswith("intermediate.dense"))
-        chained = {n for n, m in layers.items() if m.feeds is not None}
-        assert chained == {n for n in layers if n.endswith("intermediate.dense")} and len(chained) == 6
-        assert all(layers[n].feeds is layers[n.replace("intermediate.dense", "output.dense")] for n in chained)
+        names = {id(m): n for n, m in layers.items()}
+        chained = {n: names[id(m.feeds)] for n, m in layers.items() if m.feeds is not None}
+        want = {}
+        for i in range(6):  # the MLP's up projection feeds its down projection; each post-norm's output, the next
+            block = f"encoder.layer.{i}."  # int8 layer: the attention's to the MLP, the MLP's to the next block's QKV
+            want[block + "intermediate.dense"] = block + "output.dense"
+            want[block + "attention.output.dense"] = block + "intermediate.dense"
+            if i < 5:
+                want[block + "output.dense"] = f"encoder.layer.{i + 1}.attention.qkv"
+        assert chained == want
         got = engine.embed(TEXTS)
         for m in layers.values():
             m.feed(None)

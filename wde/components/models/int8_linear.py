@@ -168,8 +168,9 @@ class Int8Linear(AddNormLinear):
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.post_op: tuple[str, str] = ("none", "")
         self.feeds: Int8Linear | None = None
-        """The int8 layer this one's output goes to unchanged (BERT's MLP: up, then down; found by `chain_layers`,
-        set with `feed`): the dequantizing pass then quantizes each output row for it too, while the row is in L1."""
+        """The int8 layer this one's output goes to unchanged (BERT's MLP: up, then down; with `add_layer_norm`, the
+        norm's output: the next block's first projection; found by `chain_layers`, set with `feed`): the
+        dequantizing pass then quantizes each output row for it too, while the row is in L1."""
         self._handed = threading.local()  # per thread (CPU streams share the layers): the rows handed to this one
 
     def feed(self, layer: Int8Linear | None) -> None:
@@ -192,18 +193,30 @@ class Int8Linear(AddNormLinear):
 
     def add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
         """`norm(self(x) + residual)` (`AddNormLinear`): the dequantizing pass is the norm's first pass
-        (`dequantize_add_layer_norm_`) where the kernel is built and the norm is one `add_layer_norm` fuses."""
-        if self.feeds is not None or self.post_op != ("none", ""):
+        (`dequantize_add_layer_norm_`) where the kernel is built and the norm is one `add_layer_norm` fuses; when
+        the norm's output goes to another int8 layer (`feeds`: the next block's first projection), that pass also
+        quantizes each normed row for it."""
+        if self.post_op != ("none", ""):
             return add_layer_norm(self(x), residual, norm)
         y, scale, zero = self._gemm(x)
         shape = (*x.shape[:-1], self.out_features)
         kernel = int8_kernel()
         flat = residual.reshape(-1, self.out_features)
         if kernel is None or not cpu_fusable(y, flat, norm):
-            return add_layer_norm(dequantize_rows_(y, scale, zero, self.colsum, self.bias, 0).view(shape), residual,
-                                  norm)
-        return kernel.dequantize_add_layer_norm_(y, scale, zero, self.colsum, self.bias, flat.contiguous(),
-                                                 norm.weight, norm.bias, norm.eps).view(shape)
+            out = add_layer_norm(dequantize_rows_(y, scale, zero, self.colsum, self.bias, 0).view(shape), residual,
+                                 norm)
+        elif self.feeds is None:
+            out = kernel.dequantize_add_layer_norm_(y, scale, zero, self.colsum, self.bias, flat.contiguous(),
+                                                    norm.weight, norm.bias, norm.eps).view(shape)
+        else:
+            rows = kernel.dequantize_add_layer_norm_quantize_(y, scale, zero, self.colsum, self.bias,
+                                                              flat.contiguous(), norm.weight, norm.bias, norm.eps,
+                                                              self.feeds.smooth, ROW_MULTIPLE)
+            out = y.view(shape)
+            self.feeds._handed.rows = (out, _version(out), *rows)
+        if _WATCHING:
+            _WATCHING[-1][1](self, out)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -339,7 +352,8 @@ def fusible_activations(model: nn.Module, originals: dict[str, nn.Linear]) -> di
 def chain_layers(model: nn.Module, forward: Callable[[], object]) -> int:
     """Set `Int8Linear.feeds` where one int8 layer's output is the next one's input, the same tensor and not changed
     in place in between, as seen in one `forward()` of the quantized model, run here with version counters on (no
-    inference mode): BERT's MLP, whose up projection (its GELU fused) feeds the down projection. A model's forward
+    inference mode): BERT's MLP, whose up projection (its GELU fused) feeds the down projection, and each post-norm
+    `add_layer_norm` whose output is the next int8 layer's input (the MLP's up projection, the next block's QKV). A model's forward
     takes the same path for every batch; each call still checks that it is handed that very tensor (and, outside
     inference mode, unchanged) and quantizes its input itself otherwise. Returns how many layers feed another."""
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
