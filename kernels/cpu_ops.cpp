@@ -16,11 +16,16 @@
 //       y[r, j] = scale[r] * (y[r, j] - zero[r] * colsum[j]) + bias[j]
 //   (colsum[j] = sum_k w[j,k] * wscale[j]: the zero point's share), then optionally an activation: GELU (erf, or the
 //   tanh approximation) or ReLU, so the activation is fused as oneDNN's post-op is on the float paths.
+// dequantize_rows_bf16_: the same, rounded to bfloat16 over the first half of each row of y (a strided bf16 view):
+//   for a layer whose output goes straight to an attention that takes bf16 products (the kernel would round it to
+//   bf16 as it reads it; rounded here, it reads half the bytes and takes its bf16 path).
 // dequantize_quantize_rows_: dequantize_rows_, then each row quantized as quantize_rows would for the int8 layer that
 //   takes this one's output (BERT's MLP: up, then down) while the row is still in L1, instead of a later pass that
 //   reads the whole output back.
 // dequantize_add_layer_norm_: dequantize_rows_, then add_layer_norm with the block's residual, in the norm's first
 //   pass (BERT's post-norm after its attention output and MLP down projections), instead of two passes.
+// dequantize_add_layer_norm_quantize_: that, then each normed row quantized for the int8 layer the norm's output goes
+//   to (the MLP's up projection, the next block's QKV) while the row is in L1, instead of quantize_rows' later pass.
 //
 // GCC vector types (16 floats: one AVX-512 register, two AVX2 ones) and polynomial exp (~1 ulp) and erf (~1e-6
 // absolute), rows split over torch's intra-op threads. Built for the host's instruction set like the attention kernel.
@@ -57,6 +62,17 @@ inline vf vload(const c10::BFloat16* p) {  // bf16 -> float: the 16 bits become 
   return x;
 }
 inline void vstore(float* p, vf x) { __builtin_memcpy(p, &x, sizeof x); }
+inline void vstore(c10::BFloat16* p, vf x) {  // float -> bf16, rounded to nearest even as vcvtneps2bf16 rounds
+  vu w;
+  __builtin_memcpy(&w, &x, sizeof w);
+  const vh h = __builtin_convertvector((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16, vh);
+  __builtin_memcpy(p, &h, sizeof h);
+}
+inline c10::BFloat16 to_bf16(float x) {
+  uint32_t w;
+  __builtin_memcpy(&w, &x, sizeof w);
+  return c10::BFloat16(static_cast<uint16_t>((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16), c10::BFloat16::from_bits());
+}
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline vf splat(float v) { return vf{} + v; }
@@ -259,19 +275,29 @@ inline float dequantize1(const float* yr, float s, float z, const float* cs, con
   return activate(b ? vfma(splat(s), t, splat(b[c])) : s * t, ACT)[0];
 }
 
-// one row of dequantize_rows_, in place: yr [m] = act(s * (yr - z * cs) + b)
-template <int64_t ACT>
-inline void dequantize_row(float* yr, float s, float z, const float* cs, const float* b, int64_t m) {
+// one row of dequantize_rows_: out [m] = act(s * (yr - z * cs) + b), in place (out = yr) or to bf16
+template <int64_t ACT, typename T>
+inline void dequantize_row(const float* yr, float s, float z, const float* cs, const float* b, int64_t m, T* out) {
   int64_t c = 0;
-  for (; c + VW <= m; c += VW) vstore(yr + c, dequantize16<ACT>(yr, s, z, cs, b, c));
-  for (; c < m; ++c) yr[c] = dequantize1<ACT>(yr, s, z, cs, b, c);
+  for (; c + VW <= m; c += VW) vstore(out + c, dequantize16<ACT>(yr, s, z, cs, b, c));
+  for (; c < m; ++c) {
+    const float v = dequantize1<ACT>(yr, s, z, cs, b, c);
+    if constexpr (std::is_same_v<T, float>) {
+      out[c] = v;
+    } else {  // bytes, so no type-based aliasing lets the compiler move it past reads of y's floats it overwrites
+      const c10::BFloat16 b16 = to_bf16(v);
+      __builtin_memcpy(out + c, &b16, sizeof b16);
+    }
+  }
 }
 
-template <int64_t ACT>
-void dequantize_impl(float* yp, const float* sp, const float* zp, const float* cs, const float* b, int64_t rows,
-                     int64_t m) {
+// out's rows `stride` elements apart: m for float32 in place, 2m for bf16 written over the first half of each float32
+// row (a vector's 32 bytes land on floats the loop has read: c / 2 + 8 <= c + 16)
+template <int64_t ACT, typename T>
+void dequantize_impl(const float* yp, const float* sp, const float* zp, const float* cs, const float* b, int64_t rows,
+                     int64_t m, T* out, int64_t stride) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) dequantize_row<ACT>(yp + r * m, sp[r], zp[r], cs, b, m);
+    for (int64_t r = begin; r < end; ++r) dequantize_row<ACT>(yp + r * m, sp[r], zp[r], cs, b, m, out + r * stride);
   });
 }
 
@@ -283,7 +309,7 @@ void dequantize_quantize_impl(float* yp, const float* sp, const float* zp, const
                               int64_t rows, int64_t m, const float* f, uint8_t* q, float* scale, float* zero) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      dequantize_row<ACT>(yp + r * m, sp[r], zp[r], cs, b, m);
+      dequantize_row<ACT>(yp + r * m, sp[r], zp[r], cs, b, m, yp + r * m);
       quantize_row(static_cast<const float*>(yp + r * m), f, m, q + r * m, scale + r, zero + r);
     }
   });
@@ -489,8 +515,24 @@ void with_activation(int64_t act, F&& f) {
 at::Tensor dequantize_rows_(at::Tensor& y, const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& colsum,
                             const c10::optional<at::Tensor>& bias, int64_t act) {
   const Dequant d = dequant_args(y, scale, zero, colsum, bias, act);
-  with_activation(act, [&](auto a) { dequantize_impl<a()>(d.y, d.scale, d.zero, d.colsum, d.bias, d.rows, d.m); });
+  with_activation(act, [&](auto a) {
+    dequantize_impl<a()>(d.y, d.scale, d.zero, d.colsum, d.bias, d.rows, d.m, d.y, d.m);
+  });
   return y;
+}
+
+// dequantize_rows_, rounded to bfloat16 (to nearest even) and written in place over the first half of each row of
+// y: returns the bf16 [rows, m] view (rows 2m apart) of y's storage, y's float32 values spent. For an int8 layer
+// whose output an attention with bf16 products reads, which would round it so as it reads it. (Into a new tensor
+// instead, the write to memory not yet in cache measured slower than the float32 pass in place.)
+at::Tensor dequantize_rows_bf16_(at::Tensor& y, const at::Tensor& scale, const at::Tensor& zero,
+                                 const at::Tensor& colsum, const c10::optional<at::Tensor>& bias, int64_t act) {
+  const Dequant d = dequant_args(y, scale, zero, colsum, bias, act);
+  auto* out = reinterpret_cast<c10::BFloat16*>(d.y);
+  with_activation(act, [&](auto a) {
+    dequantize_impl<a()>(d.y, d.scale, d.zero, d.colsum, d.bias, d.rows, d.m, out, 2 * d.m);
+  });
+  return y.view(at::kBFloat16).narrow(1, 0, d.m);
 }
 
 // dequantize_rows_ on y, then y's rows quantized as quantize_rows(y, factor, multiple) would: returns (q u8 [rows',
@@ -562,6 +604,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_layer_norm", &add_layer_norm, "LayerNorm(x + residual), float32 out (CPU)");
   m.def("quantize_rows", &quantize_rows, "per-row asymmetric u8 quantization (CPU)");
   m.def("dequantize_rows_", &dequantize_rows_, "per-row dequantization, bias and activation, in place (CPU)");
+  m.def("dequantize_rows_bf16_", &dequantize_rows_bf16_,
+        "per-row dequantization, bias and activation, rounded to bfloat16 over y's own rows (CPU)");
   m.def("dequantize_quantize_rows_", &dequantize_quantize_rows_,
         "dequantize_rows_, then the rows quantized for the next int8 layer in the same pass (CPU)");
   m.def("dequantize_add_layer_norm_", &dequantize_add_layer_norm_,

@@ -188,7 +188,7 @@ class PrefillModel(nn.Module, Model):
         bf16_attention = int8_linear.bf16_pays() and self.attn_backend.use_bf16_products()
         run_gate(self, ctx.tokenizer, ctx.source.path, ctx.scheduler.token_budget, params.min_cosine,
                  params.min_mean_cosine, params.calibration, pools=self.pools,
-                 variant=f"attention bf16 products {bf16_attention}")
+                 variant=f"attention bf16 products {bf16_attention}, bf16 q/k/v", attention=self.attn_backend)
         return "int8"
 
     def before_packing(self, ctx: BuildContext) -> None:

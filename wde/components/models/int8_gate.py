@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from wde.components.attention.base import AttentionBackend
 from wde.components.model_input_builder import ModelInput
 from wde.components.models import int8_linear
 from wde.components.models.int8_linear import (block_linears, chain_layers, fusible_activations, input_maxima,
@@ -136,7 +137,8 @@ def gate_key(model_path: Path, texts: list[str], thresholds: tuple[float, float]
 
 def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, min_cosine: float,
              min_mean_cosine: float, calibration: str | None,
-             pools: bool = False, variant: str = "") -> tuple[float, float, frozenset[str]]:
+             pools: bool = False, variant: str = "",
+             attention: AttentionBackend | None = None) -> tuple[float, float, frozenset[str]]:
     """Quantize `model`'s block linear layers behind the fidelity gate; returns (min cosine, mean cosine, kinds
     kept float), or raises ModelLoadError when the minimum stays below `min_cosine` or the mean below `min_mean_cosine`.
 
@@ -162,6 +164,7 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
 
             def measure(keep: frozenset[str]) -> tuple[float, float]:
                 quantize_linears(model, originals, rows, maxima, keep, acts, built)
+                chain_layers(model, lambda: model(batch), attention)  # what is served: bf16 outputs included
                 cos = F.cosine_similarity(text_vectors(model, batch, pools), ref, dim=-1)
                 return float(cos.min()), float(cos.mean())
 
@@ -184,8 +187,9 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
         raise ModelLoadError(f"quantization=int8: the int8 model's vectors fall short of float32's: {'; '.join(short)}"
                              f" (min {low:.5f}, mean {mean:.5f}, {source}{floats}); serve it in float32 or bfloat16,"
                              " or lower the threshold if that is acceptable")
-    # where an int8 layer's output feeds the next unchanged, it quantizes it for it (same values, one pass fewer)
-    chain_layers(model, lambda: model(batch))
+    # where an int8 layer's output feeds the next unchanged, it quantizes it for it (same values, one pass fewer);
+    # one whose output is the attention's q/k/v writes it in bf16 (the gate measured that)
+    chain_layers(model, lambda: model(batch), attention)
     log.info("int8 fidelity gate passed: min cosine %.5f, mean %.5f to float32 (%s, thresholds %s / %s%s)", low,
              mean, source, min_cosine, min_mean_cosine, floats)
     return low, mean, keep

@@ -32,6 +32,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from wde.components.attention.base import AttentionBackend
 from wde.components.models.cpu_linear import cpu_capabilities
 from wde.components.models.fused import AddNormLinear, add_layer_norm, cpu_fusable
 
@@ -171,6 +172,9 @@ class Int8Linear(AddNormLinear):
         """The int8 layer this one's output goes to unchanged (BERT's MLP: up, then down; with `add_layer_norm`, the
         norm's output: the next block's first projection; found by `chain_layers`, set with `feed`): the
         dequantizing pass then quantizes each output row for it too, while the row is in L1."""
+        self.out_dtype = torch.float32
+        """bfloat16 where `chain_layers` saw the output go straight to an attention with bf16 products (BERT's QKV):
+        the dequantizing pass writes it rounded to bf16, as that attention would round it when it reads it."""
         self._handed = threading.local()  # per thread (CPU streams share the layers): the rows handed to this one
 
     def feed(self, layer: Int8Linear | None) -> None:
@@ -222,9 +226,13 @@ class Int8Linear(AddNormLinear):
         shape = x.shape
         y, scale, zero = self._gemm(x)
         act = ACTIVATIONS[self.post_op]
-        kernel = int8_kernel() if self.feeds is not None else None
+        kernel = int8_kernel() if self.feeds is not None or self.out_dtype != torch.float32 else None
         if kernel is None:
             out = dequantize_rows_(y, scale, zero, self.colsum, self.bias, act).reshape(*shape[:-1], self.out_features)
+            out = out.to(self.out_dtype)
+        elif self.feeds is None:
+            out = kernel.dequantize_rows_bf16_(y, scale, zero, self.colsum, self.bias, act)
+            out = out.reshape(*shape[:-1], self.out_features)
         else:
             rows = kernel.dequantize_quantize_rows_(y, scale, zero, self.colsum, self.bias, act, self.feeds.smooth,
                                                     ROW_MULTIPLE)
@@ -236,7 +244,8 @@ class Int8Linear(AddNormLinear):
 
     def extra_repr(self) -> str:
         fused = "" if self.post_op[0] == "none" else f", fused {'/'.join(p for p in self.post_op if p)}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 onednn{fused}"
+        out = "" if self.out_dtype == torch.float32 else ", bfloat16 out"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 onednn{fused}{out}"
 
 
 _WATCHING: list[tuple[Callable[[Int8Linear, torch.Tensor], None], Callable[[Int8Linear, torch.Tensor], None]]] = []
@@ -349,16 +358,21 @@ def fusible_activations(model: nn.Module, originals: dict[str, nn.Linear]) -> di
     return found
 
 
-def chain_layers(model: nn.Module, forward: Callable[[], object]) -> int:
+def chain_layers(model: nn.Module, forward: Callable[[], object], attention: AttentionBackend | None = None) -> int:
     """Set `Int8Linear.feeds` where one int8 layer's output is the next one's input, the same tensor and not changed
     in place in between, as seen in one `forward()` of the quantized model, run here with version counters on (no
     inference mode): BERT's MLP, whose up projection (its GELU fused) feeds the down projection, and each post-norm
-    `add_layer_norm` whose output is the next int8 layer's input (the MLP's up projection, the next block's QKV). A model's forward
-    takes the same path for every batch; each call still checks that it is handed that very tensor (and, outside
-    inference mode, unchanged) and quantizes its input itself otherwise. Returns how many layers feed another."""
+    `add_layer_norm` whose output is the next int8 layer's input (the MLP's up projection, the next block's QKV).
+    A model's forward takes the same path for every batch; each call still checks that it is handed that very
+    tensor (and, outside inference mode, unchanged) and quantizes its input itself otherwise.
+
+    With `attention` (the model's backend) taking bf16 products, a layer whose output is exactly what that backend
+    is given as q, k and v (views of it, unchanged: BERT's fused QKV, no rotary in between) gets `out_dtype`
+    bfloat16: the values the attention computes with are the same. Returns how many layers feed another."""
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     outputs: dict[int, tuple[Int8Linear, torch.Tensor, int]] = {}
     fed: dict[Int8Linear, Int8Linear] = {}
+    to_attention: set[Int8Linear] = set()
 
     def before(layer: Int8Linear, x: torch.Tensor) -> None:
         producer = outputs.get(id(x))
@@ -368,17 +382,47 @@ def chain_layers(model: nn.Module, forward: Callable[[], object]) -> int:
     def after(layer: Int8Linear, output: torch.Tensor) -> None:
         outputs[id(output)] = (layer, output, output._version)
 
+    def attended(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for layer, output, version in outputs.values():
+            storage = output.untyped_storage().data_ptr()
+            if (output.dtype == torch.float32 and output._version == version and all(
+                    t.dtype == torch.float32 and t.untyped_storage().data_ptr() == storage for t in (q, k, v))):
+                to_attention.add(layer)
+
     for layer in layers:
         layer.feed(None)
+        layer.out_dtype = torch.float32
     _WATCHING.append((before, after))
     try:
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad(), _watching_attention(attention, attended):
             forward()
     finally:
         _WATCHING.pop()
     for producer, consumer in fed.items():
         producer.feed(consumer)
+    for layer in to_attention - fed.keys():
+        layer.out_dtype = torch.bfloat16
     return len(fed)
+
+
+@contextlib.contextmanager
+def _watching_attention(attention: AttentionBackend | None,
+                        seen: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]) -> Iterator[None]:
+    """While inside: `seen(q, k, v)` on each call of `attention.forward` (when it takes bf16 products)."""
+    if attention is None or not attention.bf16_products:
+        yield
+        return
+    forward = attention.forward
+
+    def watched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        seen(q, k, v)
+        return forward(q, k, v, *args, **kwargs)
+
+    attention.forward = watched  # type: ignore[method-assign]  # this instance only, for this forward
+    try:
+        yield
+    finally:
+        del attention.forward
 
 
 def quantize_linears(model: nn.Module, originals: dict[str, nn.Linear], rows: int,
