@@ -20,6 +20,7 @@ from torch import nn
 from tests.tiny_heads import build_minilm_classifier
 from tests.tiny_models import build_xlmr, varied_texts
 from wde import Engine
+from wde.components.attention.base import AttentionMetadata
 from wde.components.attention.cpu_flash import load_kernel
 from wde.components.models import int8_linear
 from wde.components.models.int8_linear import Int8Linear, int8_unsupported
@@ -552,9 +553,10 @@ class _Backend:
 
     bf16_products = True
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: object) -> torch.Tensor:
-        weights = torch.softmax(q.float() @ k.float().T, dim=-1)
-        return (weights @ v.float()).to(v.dtype)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        scores = q.float() @ k.float().T * scale + (0 if meta.bias is None else meta.bias)
+        return (torch.softmax(scores, dim=-1) @ v.float()).to(v.dtype)
 
 
 class _Attention(nn.Module):
@@ -569,13 +571,17 @@ class _Attention(nn.Module):
         q, k, v = out.view(len(x), 3, -1).unbind(1)
         if self.between == "rotary":  # a new q, computed from the layer's output: it must see the float32 values
             q = q * 0.5
-        return self.backend.forward(q, k, v, None)
+        bias = torch.zeros(len(x), len(x)) if self.between == "bias" else None  # DeBERTa's relative terms: from q, k
+        meta = AttentionMetadata(cu_seqlens=torch.tensor([0, len(x)]), seq_lens=[len(x)], max_seqlen=len(x),
+                                 causal=False, bias=bias)
+        return self.backend.forward(q, k, v, meta, 1.0)
 
 
-@pytest.mark.parametrize("between", ["views", "rotary", "in place"])
+@pytest.mark.parametrize("between", ["views", "rotary", "in place", "bias"])
 def test_a_layer_writes_bf16_only_what_goes_straight_to_an_attention_with_bf16_products(between: str) -> None:
     """`chain_layers` gives a layer bf16 output where the backend is handed views of that output, unchanged, as q,
-    k and v; not where anything computed on it or changed it first, nor where the backend takes float32 products."""
+    k and v; not where anything computed on it or changed it first, nor for a batch with an attention bias, nor where
+    the backend takes float32 products."""
     if int8_linear.int8_kernel() is None or int8_unsupported() is not None:
         pytest.skip("no int8 kernels here")
     g = torch.Generator().manual_seed(5)

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import pytest
+import torch
 from torch import nn
 
 from benchmarks.gpu_parity import bundled_workflows, families, stdout_to_stderr
@@ -169,7 +170,9 @@ def test_int8_family(workflow: str, family_specs: dict[str, tuple], caplog: pyte
     assert floats <= kept, f"{workflow}: block layers float that the gate did not keep float: {floats - kept}"
     scores = compare(ref, got, vocab)
     shown = ", ".join(f"{k} {m} {v:.6f} (max abs diff {d:.2g})" for k, (m, v, d) in scores.items())
-    print(f"{workflow}: {len(int8)} of {len(layers)} block layers int8, {len(floats)} kinds kept float;"
+    bf16_out = sorted({kind_of(n) for n in int8 if layers[n].out_dtype == torch.bfloat16})
+    print(f"{workflow}: {len(int8)} of {len(layers)} block layers int8 (bf16 out: {', '.join(bf16_out) or 'none'}),"
+          f" {len(floats)} kinds kept float;"
           f" {gate_figures(caplog.text)}; {shown}")
     for name, (measure, value, _) in scores.items():
         assert value >= (MIN_SPEARMAN if measure == "spearman" else MIN_COSINE), f"{workflow} {name}: {measure}"

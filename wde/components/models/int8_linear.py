@@ -32,7 +32,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from wde.components.attention.base import AttentionBackend
+from wde.components.attention.base import AttentionBackend, AttentionMetadata
 from wde.components.models.cpu_linear import cpu_capabilities
 from wde.components.models.fused import AddNormLinear, add_layer_norm, cpu_fusable
 
@@ -367,7 +367,8 @@ def chain_layers(model: nn.Module, forward: Callable[[], object], attention: Att
     tensor (and, outside inference mode, unchanged) and quantizes its input itself otherwise.
 
     With `attention` (the model's backend) taking bf16 products, a layer whose output is exactly what that backend
-    is given as q, k and v (views of it, unchanged: BERT's fused QKV, no rotary in between) gets `out_dtype`
+    is given as q, k and v (views of it, unchanged: BERT's fused QKV, no rotary in between), in a batch without an
+    attention bias (DeBERTa's relative terms read q and k; a biased batch takes no bf16 products), gets `out_dtype`
     bfloat16: the values the attention computes with are the same. Returns how many layers feed another."""
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     outputs: dict[int, tuple[Int8Linear, torch.Tensor, int]] = {}
@@ -382,7 +383,9 @@ def chain_layers(model: nn.Module, forward: Callable[[], object], attention: Att
     def after(layer: Int8Linear, output: torch.Tensor) -> None:
         outputs[id(output)] = (layer, output, output._version)
 
-    def attended(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def attended(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        if meta.bias is not None:  # a biased batch goes where bf16 products are not taken (and q/k fed the bias)
+            return
         for layer, output, version in outputs.values():
             storage = output.untyped_storage().data_ptr()
             if (output.dtype == torch.float32 and output._version == version and all(
@@ -407,16 +410,18 @@ def chain_layers(model: nn.Module, forward: Callable[[], object], attention: Att
 
 @contextlib.contextmanager
 def _watching_attention(attention: AttentionBackend | None,
-                        seen: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]) -> Iterator[None]:
-    """While inside: `seen(q, k, v)` on each call of `attention.forward` (when it takes bf16 products)."""
+                        seen: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], None],
+                        ) -> Iterator[None]:
+    """While inside: `seen(q, k, v, meta)` on each call of `attention.forward` (when it takes bf16 products)."""
     if attention is None or not attention.bf16_products:
         yield
         return
     forward = attention.forward
 
-    def watched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        seen(q, k, v)
-        return forward(q, k, v, *args, **kwargs)
+    def watched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        seen(q, k, v, meta)
+        return forward(q, k, v, meta, scale)
 
     attention.forward = watched  # type: ignore[method-assign]  # this instance only, for this forward
     try:
