@@ -62,16 +62,14 @@ inline vf vload(const c10::BFloat16* p) {  // bf16 -> float: the 16 bits become 
   return x;
 }
 inline void vstore(float* p, vf x) { __builtin_memcpy(p, &x, sizeof x); }
-inline void vstore(c10::BFloat16* p, vf x) {  // float -> bf16, rounded to nearest even as vcvtneps2bf16 rounds
+// float -> bf16 rounded to nearest even, a NaN kept a (quiet) NaN: what vcvtneps2bf16 and c10::BFloat16(float) give
+// (the rounding carry alone would take a NaN whose low mantissa bits are all set to -0 or an infinity)
+inline void vstore(c10::BFloat16* p, vf x) {
   vu w;
   __builtin_memcpy(&w, &x, sizeof w);
-  const vh h = __builtin_convertvector((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16, vh);
+  const vu rounded = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
+  const vh h = __builtin_convertvector(x != x ? (w >> 16) | 0x40u : rounded, vh);
   __builtin_memcpy(p, &h, sizeof h);
-}
-inline c10::BFloat16 to_bf16(float x) {
-  uint32_t w;
-  __builtin_memcpy(&w, &x, sizeof w);
-  return c10::BFloat16(static_cast<uint16_t>((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16), c10::BFloat16::from_bits());
 }
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
@@ -152,39 +150,36 @@ inline vf activate(vf y, int64_t act) {
   }
 }
 
-// a row's running minimum and maximum: in vector lanes, and a scalar for the tail
-struct Range {
+// one row of quantize_rows: xr [k] (times f, when given) to u8 qr with its scale and zero point
+template <typename T>
+inline void quantize_row(const T* xr, const float* f, int64_t k, uint8_t* qr, float* scale, float* zero) {
   vf lo = splat(INFINITY), hi = splat(-INFINITY);
   float slo = INFINITY, shi = -INFINITY;
-  void add(vf v) {
+  int64_t c = 0;
+  for (; c + VW <= k; c += VW) {
+    vf v = vload(xr + c);
+    if (f) v *= vload(f + c);
     lo = vmin(lo, v);
     hi = vmax(hi, v);
   }
-  void add(float v) {
+  for (; c < k; ++c) {
+    const float v = static_cast<float>(xr[c]) * (f ? f[c] : 1.f);
     slo = std::min(slo, v);
     shi = std::max(shi, v);
   }
-  void fold() {
-    for (int64_t i = 0; i < VW; ++i) {
-      slo = std::min(slo, lo[i]);
-      shi = std::max(shi, hi[i]);
-    }
+  for (int64_t i = 0; i < VW; ++i) {
+    slo = std::min(slo, lo[i]);
+    shi = std::max(shi, hi[i]);
   }
-};
-
-// row xr [k] (times f, when given) to u8 qr with its scale and zero point, given the range of those values
-template <typename T>
-inline void quantize_in_range(const T* xr, const float* f, int64_t k, Range range, uint8_t* qr, float* scale,
-                              float* zero) {
-  range.fold();
   // the range always holds 0, so 0 is exact (zero point an integer in 0..255); a row of zeros gets scale 1
-  const float slo = std::min(range.slo, 0.f), shi = std::max(range.shi, 0.f);
+  slo = std::min(slo, 0.f);
+  shi = std::max(shi, 0.f);
   const float s = shi > slo ? (shi - slo) / 255.f : 1.f;
   const float z = std::min(255.f, std::max(0.f, sround(-slo / s)));
   const float inv = 1.f / s;
   *scale = s;
   *zero = z;
-  int64_t c = 0;
+  c = 0;
 #if defined(__AVX512F__)
   // the rounding conversion (round half to even, as vround) and a saturating narrowing: 5 instructions a vector
   const __m512i vz = _mm512_set1_epi32(static_cast<int32_t>(z));
@@ -212,20 +207,6 @@ inline void quantize_in_range(const T* xr, const float* f, int64_t k, Range rang
   }
 }
 
-// one row of quantize_rows: xr [k] (times f, when given) to u8 qr with its scale and zero point
-template <typename T>
-inline void quantize_row(const T* xr, const float* f, int64_t k, uint8_t* qr, float* scale, float* zero) {
-  Range range;
-  int64_t c = 0;
-  for (; c + VW <= k; c += VW) {
-    vf v = vload(xr + c);
-    if (f) v *= vload(f + c);
-    range.add(v);
-  }
-  for (; c < k; ++c) range.add(static_cast<float>(xr[c]) * (f ? f[c] : 1.f));
-  quantize_in_range(xr, f, k, range, qr, scale, zero);
-}
-
 template <typename T>
 void quantize_impl(const T* x, const float* f, int64_t rows, int64_t k, uint8_t* q, float* scale, float* zero) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -233,18 +214,15 @@ void quantize_impl(const T* x, const float* f, int64_t rows, int64_t k, uint8_t*
   });
 }
 
-// 16 values of dequantize_rows_'s row, from column c: act(s * (yr - z * cs) + b); and one value. The one place
-// this arithmetic is written, so the fused passes round as dequantize_rows_ does
-// (a * b + c, one rounding, written out: GCC contracts a * b + c into an FMA or not depending on the code around
-// it, so passes that must agree bit for bit take their FMAs from here)
+// a * b + c with one rounding, written out: GCC contracts a * b + c into an FMA or not depending on the code around
+// it, so passes that must agree bit for bit take their FMAs from here
 inline vf vfma(vf a, vf b, vf c) {
 #if defined(__AVX512F__)
-  __m512 r;
   __m512 x, y, w;
   __builtin_memcpy(&x, &a, sizeof x);
   __builtin_memcpy(&y, &b, sizeof y);
   __builtin_memcpy(&w, &c, sizeof w);
-  r = _mm512_fmadd_ps(x, y, w);
+  const __m512 r = _mm512_fmadd_ps(x, y, w);
   vf out;
   __builtin_memcpy(&out, &r, sizeof out);
   return out;
@@ -263,6 +241,8 @@ inline vf vfma(vf a, vf b, vf c) {
 #endif
 }
 
+// 16 values of dequantize_rows_'s row, from column c: act(s * (yr - z * cs) + b); and one value. The one place
+// this arithmetic is written, so the fused passes round as dequantize_rows_ does
 template <int64_t ACT>
 inline vf dequantize16(const float* yr, float s, float z, const float* cs, const float* b, int64_t c) {
   const vf t = vfma(splat(-z), vload(cs + c), vload(yr + c));
@@ -285,7 +265,7 @@ inline void dequantize_row(const float* yr, float s, float z, const float* cs, c
     if constexpr (std::is_same_v<T, float>) {
       out[c] = v;
     } else {  // bytes, so no type-based aliasing lets the compiler move it past reads of y's floats it overwrites
-      const c10::BFloat16 b16 = to_bf16(v);
+      const c10::BFloat16 b16(v);
       __builtin_memcpy(out + c, &b16, sizeof b16);
     }
   }

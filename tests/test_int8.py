@@ -620,3 +620,8 @@ def test_dequantize_rows_bf16_is_dequantize_rows_rounded_to_bf16_over_its_own_ro
     assert got.dtype == torch.bfloat16 and got.shape == (70, width) and got.stride() == (2 * width, 1)
     assert got.untyped_storage().data_ptr() == mine.untyped_storage().data_ptr()
     assert torch.equal(got, want)
+    nans = torch.zeros(2, width)
+    nans.view(torch.int32)[:, [3, width - 1]] = 0x7FFFFFFF  # a NaN whose rounding carry would leave no NaN
+    ones = torch.ones(2)
+    kept = kernel.dequantize_rows_bf16_(nans, ones, ones * 0, torch.ones(width), None, 0)
+    assert kept[:, [3, width - 1]].isnan().all() and not kept[:, :3].isnan().any()  # in the vectors and the tail
