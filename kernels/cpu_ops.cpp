@@ -153,29 +153,33 @@ inline vf activate(vf y, int64_t act) {
 // one row of quantize_rows: xr [k] (times f, when given) to u8 qr with its scale and zero point
 template <typename T>
 inline void quantize_row(const T* xr, const float* f, int64_t k, uint8_t* qr, float* scale, float* zero) {
-  vf lo = splat(INFINITY), hi = splat(-INFINITY);
-  float slo = INFINITY, shi = -INFINITY;
+  vf lo = splat(INFINITY), hi = splat(-INFINITY), bad = {};
+  float slo = INFINITY, shi = -INFINITY, sbad = 0.f;
   int64_t c = 0;
   for (; c + VW <= k; c += VW) {
     vf v = vload(xr + c);
     if (f) v *= vload(f + c);
     lo = vmin(lo, v);
     hi = vmax(hi, v);
+    bad += v - v;  // 0, or NaN from a NaN or an infinity: min and max would drop a NaN
   }
   for (; c < k; ++c) {
     const float v = static_cast<float>(xr[c]) * (f ? f[c] : 1.f);
     slo = std::min(slo, v);
     shi = std::max(shi, v);
+    sbad += v - v;
   }
   for (int64_t i = 0; i < VW; ++i) {
     slo = std::min(slo, lo[i]);
     shi = std::max(shi, hi[i]);
+    sbad += bad[i];
   }
-  // the range always holds 0, so 0 is exact (zero point an integer in 0..255); a row of zeros gets scale 1
+  // the range always holds 0, so 0 is exact (zero point an integer in 0..255); a row of zeros gets scale 1; a row
+  // holding a NaN or an infinity gets scale NaN (its u8 values 0), so the layer's output row is NaN, not finite
   slo = std::min(slo, 0.f);
   shi = std::max(shi, 0.f);
-  const float s = shi > slo ? (shi - slo) / 255.f : 1.f;
-  const float z = std::min(255.f, std::max(0.f, sround(-slo / s)));
+  const float s = sbad != 0.f ? NAN : shi > slo ? (shi - slo) / 255.f : 1.f;
+  const float z = sbad != 0.f ? 0.f : std::min(255.f, std::max(0.f, sround(-slo / s)));
   const float inv = 1.f / s;
   *scale = s;
   *zero = z;

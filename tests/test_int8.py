@@ -335,6 +335,38 @@ def test_dequantize_rows_kernel_equals_the_torch_path(act: int, monkeypatch: pyt
     assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_row_holding_a_nan_or_an_infinity_gets_a_nan_scale(kernel: bool, bad: float,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Min and max drop a NaN: without its own check a NaN in an int8 layer's input would come out as finite values
+    that the engine's non-finite check cannot see. The row's scale is NaN instead, in the vectors and the tail."""
+    if not kernel:
+        _torch_path(monkeypatch)
+    elif int8_linear.int8_kernel() is None:
+        pytest.skip("the int8 elementwise kernel cannot be built here")
+    x = torch.randn(6, 100, generator=torch.Generator().manual_seed(5))
+    x[1, 3] = bad  # in the first vector
+    x[2, 98] = bad  # in the scalar tail (100 = 6 x 16 + 4)
+    x[3, 40] = bad  # the middle of a row
+    q, scale, zero = int8_linear.quantize_rows(x, torch.rand(100) + 0.5)
+    assert scale[1:4].isnan().all() and (zero[1:4] == 0).all() and (q[1:4] == 0).all()
+    assert scale[[0, 4, 5]].isfinite().all()
+
+
+@needs_vnni
+@pytest.mark.parametrize("kernel", [True, False])
+def test_an_int8_layer_passes_a_nan_on(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not kernel:
+        _torch_path(monkeypatch)
+    layer = Int8Linear(nn.Linear(96, 64), rows=8)
+    layer.post_op = ("gelu", "none")
+    x = torch.randn(8, 96, generator=torch.Generator().manual_seed(6))
+    x[2, 50] = float("nan")
+    out = layer(x)
+    assert out[2].isnan().all() and out[[0, 1, 3]].isfinite().all()
+
+
 @needs_vnni
 def test_int8_linear_without_the_kernel_gives_the_same_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the C++ kernel cannot be built, `Int8Linear` computes the same in PyTorch ops (and GELU after it)."""

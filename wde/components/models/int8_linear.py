@@ -109,8 +109,9 @@ def padded_rows(rows: int, multiple: int = ROW_MULTIPLE) -> int:
 def quantize_rows(x: torch.Tensor, factor: torch.Tensor | None, multiple: int = 1,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`x * factor` quantized per row, asymmetric: (u8 values, scale, zero point) with `x * factor ~= scale * (q -
-    zero)`; the row's range (always holding 0) maps onto 0..255. The u8 values have their rows rounded up to
-    `multiple`, zero past the last (`ROW_MULTIPLE`)."""
+    zero)`; the row's range (always holding 0) maps onto 0..255. A row holding a NaN or an infinity gets scale NaN
+    (u8 values 0), so the layer's output row is NaN and the engine's non-finite check sees it. The u8 values have
+    their rows rounded up to `multiple`, zero past the last (`ROW_MULTIPLE`)."""
     kernel = int8_kernel()
     if kernel is not None and x.dtype in (torch.float32, torch.bfloat16):
         return kernel.quantize_rows(x.contiguous(), factor, multiple)
@@ -123,8 +124,10 @@ def _quantize_rows_torch(x: torch.Tensor, factor: torch.Tensor | None,
     x = x.float() if factor is None else x.float() * factor
     lo, hi = x.amin(1).clamp_max(0), x.amax(1).clamp_min(0)
     scale = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(hi))
-    zero = torch.round(-lo / scale).clamp_(0, 255)
-    q = torch.round(x / scale[:, None]).add_(zero[:, None]).clamp_(0, 255).to(torch.uint8)
+    finite = x.isfinite().all(1)  # a row holding a NaN or an infinity: scale NaN, zero point 0, its output row NaN
+    scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
+    zero = torch.where(finite, torch.round(-lo / scale).clamp_(0, 255), torch.zeros_like(scale))
+    q = torch.round(x / scale[:, None]).add_(zero[:, None]).clamp_(0, 255).nan_to_num_(0).to(torch.uint8)
     return q, scale, zero
 
 
