@@ -41,6 +41,37 @@ os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 
 log = logging.getLogger("wde.models")
 
+ROW_MULTIPLE = 32
+"""Every oneDNN GEMM's input (`onednn_linear`, and int8's u8 rows) has its rows rounded up to a multiple of this
+(zero rows past the last; their outputs are dropped). oneDNN builds (JIT-compiles) a primitive for each row count it
+has not seen, and packed batches rarely repeat a token count. On AVX-512 that is 0.2-0.4 ms a layer (an int8 model's
+first pass over a corpus ran 13% slower than its second; MiniLM, Zen 5); AMX's kernels take 2-14 ms to build,
+3-6x the GEMM itself (MiniLM's shapes at ~2,000 rows; Intel Xeon with AMX), and with the cache capped at 64
+primitives (below) 200 long texts in 21 distinct counts x 4 shapes rebuilt every primitive on every pass: 42% of a
+bf16 run. Rounded, a (K, N) shape has at most max-batch-tokens / 32 row counts, at under 32 extra rows a GEMM."""
+
+
+def padded_rows(rows: int, multiple: int = ROW_MULTIPLE) -> int:
+    return -(-rows // multiple) * multiple
+
+
+def onednn_linear(x: torch.Tensor, dtype: torch.dtype, packed: torch.Tensor, bias: torch.Tensor | None,
+                  attr: str = "none", algorithm: str = "") -> torch.Tensor:
+    """`x` (cast to `dtype`) times a weight packed by `mkldnn._reorder_linear_weight`, plus bias and a fused
+    activation, with the rows rounded up to `ROW_MULTIPLE` for oneDNN and the result cut back to `x`'s rows. The
+    cast and the padding are one copy (a cast copies anyway); rows already a multiple go through as they are."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x = x.reshape(-1, k)
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:
+        buf = x.new_empty((padded, k), dtype=dtype)
+        buf[:rows].copy_(x)
+        buf[rows:].zero_()
+        x = buf
+    out = torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, bias, attr, [], algorithm)
+    return out[:rows].view(*lead, out.shape[-1])
+
 _ONEDNN_FP32_ON_AVX2 = False
 """Whether `auto` prepacks fp32 linears on AVX2-only hosts: no. MiniLM end to end, one thread, CPU time (a
 shared host): MKL 1.09x sentence-transformers, oneDNN 1.08x, oneDNN with fused GELU 0.99x (docs/benchmarks.md)."""
@@ -141,8 +172,7 @@ class PackedLinear(nn.Module):
         self.post_op = post_op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        attr, algorithm = self.post_op
-        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, attr, [], algorithm)
+        return onednn_linear(x, self.dtype, self.packed, self.bias, *self.post_op)
 
     def extra_repr(self) -> str:
         fused = "" if self.post_op[0] == "none" else f", fused {'/'.join(p for p in self.post_op if p)}"

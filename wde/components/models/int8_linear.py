@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from wde.components.attention.base import AttentionBackend, AttentionMetadata
-from wde.components.models.cpu_linear import cpu_capabilities
+from wde.components.models.cpu_linear import ROW_MULTIPLE, cpu_capabilities, onednn_linear, padded_rows
 from wde.components.models.fused import AddNormLinear, add_layer_norm, cpu_fusable
 
 log = logging.getLogger("wde.models")
@@ -92,18 +92,6 @@ def int8_kernel() -> ModuleType | None:
     from wde.kernels.cpp_build import cpu_ops
 
     return cpu_ops()
-
-
-ROW_MULTIPLE = 32
-"""The u8 input of an int8 GEMM has its rows rounded up to a multiple of this (zero rows past the last; their outputs
-are dropped). oneDNN builds (JIT-compiles) a primitive for each row count it has not seen: 0.2-0.4 ms per layer,
-and packed batches rarely repeat a token count, so an int8 model's first pass over a corpus ran 13% slower than
-its second (MiniLM, 200 long texts, Zen 5), and a server would pay it on every batch. Rounded, a (K, N) shape has
-at most max-batch-tokens / 32 row counts (oneDNN caches 1,024 primitives), at under 32 extra rows per GEMM."""
-
-
-def padded_rows(rows: int, multiple: int = ROW_MULTIPLE) -> int:
-    return -(-rows // multiple) * multiple
 
 
 def quantize_rows(x: torch.Tensor, factor: torch.Tensor | None, multiple: int = 1,
@@ -328,7 +316,7 @@ class Bf16Linear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().bfloat16()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.bfloat16(), self.packed, self.bias, "none", [], "").float()
+        return onednn_linear(x, torch.bfloat16, self.packed, self.bias).float()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bf16 onednn"
