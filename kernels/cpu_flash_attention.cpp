@@ -38,6 +38,11 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define WDE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -442,13 +447,14 @@ struct RowState {  // a query block's online softmax, row by row
 // Rows r0 .. r0+RG-1 against one key tile (its first NV vectors of keys): the raw scores q2 . k2 in registers,
 // masked (key-mask bias, then each row's lanes), the rows' new maxima, the factors alpha = 2^((old - new max) c),
 // the weights 2^((s - new max) c) added to the rows' sums and rounded to bf16 pairs of keys in p2. c = scale log2 e.
-template <int64_t D, int64_t NV>
+// FROM_S: the raw scores were computed already (AMX tiles) into s [QB][KB]; they are loaded instead.
+template <int64_t D, int64_t NV, bool FROM_S = false>
 inline void softmax_tile(const uint32_t (*q2)[D / 2], const uint32_t* kt, const float* kbias, float c, int64_t r0,
-                         RowState& st, uint32_t (*p2)[KB / 2]) {
+                         RowState& st, uint32_t (*p2)[KB / 2], const float (*s)[KB] = nullptr) {
   __m512 acc[RG][NV];
   for (int64_t r = 0; r < RG; ++r)
-    for (int64_t x = 0; x < NV; ++x) acc[r][x] = _mm512_setzero_ps();
-  for (int64_t cc = 0; cc < D / 2; ++cc) {
+    for (int64_t x = 0; x < NV; ++x) acc[r][x] = FROM_S ? _mm512_load_ps(s[r0 + r] + x * VW) : _mm512_setzero_ps();
+  if constexpr (!FROM_S) for (int64_t cc = 0; cc < D / 2; ++cc) {
     __m512i kc[NV];
     for (int64_t x = 0; x < NV; ++x) {
       __m512i t = _mm512_loadu_si512(kt + cc * KB + x * VW);
@@ -506,6 +512,70 @@ inline void softmax_tile(const uint32_t (*q2)[D / 2], const uint32_t* kt, const 
     st.l[i] = _mm512_fmadd_ps(st.l[i], ar, sum);
   }
 }
+
+#ifdef WDE_AMX
+// AMX (Sapphire Rapids and later): Q.K^T and P.V as tile products (tdpbf16ps: 16 x 16 float32 outputs from 16 x 32
+// bf16 inputs, in one instruction) on the same bf16 pair layouts the vdpbf16ps path uses; the softmax stays in
+// AVX-512 registers, reading the scores back from an L1 buffer. Linux grants a process AMX's tile state only on
+// request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); where that fails the vdpbf16ps path runs.
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+std::atomic<bool> amx_wanted{true};  // set_amx(False): the vdpbf16ps path on an AMX host (tests compare the two)
+inline bool use_amx() { return amx_wanted.load(std::memory_order_relaxed) && amx_permitted(); }
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+// tiles 0 (outputs: 16 x 16 float32), 1 (left: 16 rows of 32 bf16), 2 (right: 16 rows of 16 bf16 pairs)
+inline void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 3; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// s[r][x * 16 ..] = q2[r] . K of the tile's key vector x, for rows [0, rows) (a multiple of 16), vectors [0, nv)
+template <int64_t D>
+inline void scores_amx(const uint32_t (*q2)[D / 2], const uint32_t* kt, int64_t rows, int64_t nv, float (*s)[KB]) {
+  for (int64_t h = 0; h < rows; h += 16)
+    for (int64_t x = 0; x < nv; ++x) {
+      _tile_zero(0);
+      for (int64_t cc = 0; cc < D / 2; cc += 16) {  // 32 dimensions (16 pairs) a product
+        _tile_loadd(1, q2[h] + cc, D / 2 * 4);
+        _tile_loadd(2, kt + cc * KB + x * VW, KB * 4);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, s[h] + x * VW, KB * 4);
+    }
+}
+
+// acc[r] = acc[r] * alpha[r] + p2[r][0:np] . v2[0:np] for rows [0, rows) (a multiple of 16); np rounded up to 16
+// pairs (p2's weights there are zeros, and v2's pairs zeros past the keys)
+template <int64_t D>
+inline void accumulate_amx(float (*acc)[D], const uint32_t* vt, const uint32_t (*p2)[KB / 2], const float* alpha,
+                           int64_t rows, int64_t np) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int64_t x = 0; x < D; x += VW) _mm512_store_ps(acc[r] + x, _mm512_mul_ps(_mm512_load_ps(acc[r] + x), a));
+  }
+  for (int64_t h = 0; h < rows; h += 16)
+    for (int64_t g = 0; g < D; g += 16) {
+      _tile_loadd(0, acc[h] + g, D * 4);
+      for (int64_t j = 0; j < np; j += 16) {  // 16 pairs of keys a product
+        _tile_loadd(1, p2[h] + j, KB / 2 * 4);
+        _tile_loadd(2, vt + j * D + g, D * 4);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, acc[h] + g, D * 4);
+    }
+}
+#endif
 
 // a row of D values as D / 2 pairs of bf16 (float ones rounded to nearest even)
 template <int64_t D>
@@ -604,6 +674,8 @@ void load_kv_dp(const Problem& pb, const Packed<const scalar_t>& k, const Packed
       _mm512_storeu_si512(vt + c + VW, _mm512_permutex2var_epi16(x, hi, y));
     }
   }
+  // the last tile's pairs past the keys: zeros (not an earlier task's values), as AMX reads 16 pairs at a time
+  std::fill(kv.v2.begin() + (n + 1) / 2 * D, kv.v2.end(), 0u);
 }
 
 // One query block (rows q0 .. q0+QB-1 of a sequence, one head) against the task's converted keys kv (from kc0):
@@ -612,7 +684,14 @@ template <typename scalar_t, int64_t D>
 void attend_block_dp(const Problem& pb, const Packed<const scalar_t>& q, const Packed<scalar_t>& out, const KV& kv,
                      int64_t start, int64_t len, int64_t q0, int64_t head, int64_t kc0, int64_t kc1) {
   const int64_t rows = std::min(QB, len - q0);
-  const int64_t rows_padded = (rows + ROW_PAD - 1) / ROW_PAD * ROW_PAD;
+#ifdef WDE_AMX
+  const bool amx = use_amx();
+  alignas(64) float s[QB][KB];  // the raw scores of a tile (AMX)
+#else
+  constexpr bool amx = false;
+#endif
+  const int64_t pad = amx ? 16 : ROW_PAD;  // AMX's tiles are 16 rows
+  const int64_t rows_padded = (rows + pad - 1) / pad * pad;
   alignas(64) uint32_t q2[QB][D / 2];
   alignas(64) float acc[QB][D];
   alignas(64) uint32_t p2[QB][KB / 2];
@@ -646,10 +725,20 @@ void attend_block_dp(const Problem& pb, const Packed<const scalar_t>& q, const P
     }
     const float* kbias = kv.masked[t] ? kv.bias.data() + t * KB : nullptr;
     const uint32_t* kt = kv.k2.data() + t * (D / 2) * KB;
+    const uint32_t* vt = kv.v2.data() + t * (KB / 2) * D;
+#ifdef WDE_AMX
+    if (amx) {
+      scores_amx<D>(q2, kt, rows_padded, nv, s);
+      with_width(nv, [&](auto w) {
+        for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) softmax_tile<D, w, true>(q2, kt, kbias, c, r0, st, p2, s);
+      });
+      accumulate_amx<D>(acc, vt, p2, st.alpha, rows_padded, (nk + 31) / 32 * 16);
+      continue;
+    }
+#endif
     with_width(nv, [&](auto w) {
       for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) softmax_tile<D, w>(q2, kt, kbias, c, r0, st, p2);
     });
-    const uint32_t* vt = kv.v2.data() + t * (KB / 2) * D;
     for (int64_t r0 = 0; r0 < rows_padded; r0 += RP<D>) accumulate_bf16<D>(acc, vt, p2, st.alpha, r0, (nk + 1) / 2);
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -732,6 +821,10 @@ void run(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::
   // one worker per thread, each taking the next task from the shared counter until none is left
   at::parallel_for(0, std::min(threads, ntasks), 1, [&](int64_t, int64_t) {
     thread_local KV kv;
+#ifdef WDE_AMX
+    const bool amx = DP && use_amx();
+    if (amx) amx_configure();  // per worker: oneDNN's kernels load their own tile configuration on these threads
+#endif
     // each worker claims its next task before it runs the one in hand, so that the next one's first queries, keys
     // and values are on their way into the cache meanwhile (a short sequence's task is mostly waiting for them)
     for (int64_t t = next.fetch_add(1), after; t < ntasks; t = after) {
@@ -755,6 +848,9 @@ void run(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::
       for (int64_t b = task.b0; b < task.b1; ++b)
         attend_block<scalar_t, D>(pb, qp, op, kv, start, len, b * QB, task.head, kc0, kc1);
     }
+#ifdef WDE_AMX
+    if (amx) _tile_release();
+#endif
   });
 }
 
@@ -814,6 +910,25 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // whether bf16 inputs take the vdpbf16ps path in this build (AVX512-BF16 targeted at compile time)
 bool bf16_dot_products() { return HAS_DPBF16; }
 
+// whether that path's products run as AMX tile products in this build and process (AMX targeted at compile time,
+// the tile state granted by Linux, not switched off by set_amx)
+bool amx_tiles() {
+#ifdef WDE_AMX
+  return use_amx();
+#else
+  return false;
+#endif
+}
+
+// on (the default) or off: AMX tile products where amx_tiles() can be true (tests run both paths on an AMX host)
+void set_amx(bool on) {
+#ifdef WDE_AMX
+  amx_wanted = on;
+#else
+  (void)on;
+#endif
+}
+
 // how many workers at::parallel_for starts for the kernel's tasks: torch's thread count, or 1 where this file was
 // compiled without OpenMP (its parallel_for is inline: without -fopenmp it runs the whole range on the caller)
 int64_t parallel_workers() {
@@ -841,6 +956,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens"), py::arg("key_mask"), py::arg("causal"),
         py::arg("left"), py::arg("right"), py::arg("scale"), py::arg("bf16_products") = false);
   m.def("bf16_dot_products", &bf16_dot_products, "whether bf16 inputs take the AVX512-BF16 dot-product path");
+  m.def("amx_tiles", &amx_tiles, "whether that path's products run as AMX tile products");
+  m.def("set_amx", &set_amx, "AMX tile products on (default) or off, where the build has them");
   m.def("parallel_workers", &parallel_workers, "how many threads run the kernel's tasks");
   m.def("plan_tasks", &plan_tasks, "the (sequence, head, first block, end block) tasks of a call, in order");
 }

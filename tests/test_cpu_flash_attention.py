@@ -2,8 +2,9 @@
 batches (lengths 1..600, causal or not, windows, key masks with rows left without a key, GQA, float32 and bfloat16),
 falls back to `cpu_varlen` where its kernel is switched off or cannot be built, stays correct when built for AVX2
 under torch's AVX2 cap and on any thread count (a long sequence split across threads), takes the bf16 dot-product
-path where the CPU has AVX512-BF16 (float32 inputs too when asked: an int8 model's), is what `auto` picks on CPU, and MiniLM served with it matches
-sentence-transformers."""
+path where the CPU has AVX512-BF16 (float32 inputs too when asked: an int8 model's), with AMX tile products where
+the CPU has AMX (each test of that path runs both ways there), is what `auto` picks on CPU, and MiniLM served with it
+matches sentence-transformers."""
 
 from __future__ import annotations
 
@@ -83,6 +84,20 @@ def tolerance(dtype: torch.dtype, expected: torch.Tensor) -> float:
 needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="cpu_flash_varlen's kernel cannot be built here")
 
 
+@pytest.fixture(params=["amx", "vdpbf16ps"])
+def products(request: pytest.FixtureRequest):
+    """The bf16 path's products both ways on an AMX host: AMX tiles (the default there) and vdpbf16ps; elsewhere
+    the amx case is skipped and the other is what runs."""
+    kernel = load_kernel()
+    if request.param == "amx" and (kernel is None or not kernel.amx_tiles()):
+        pytest.skip("no AMX tile products in this build or process")
+    if kernel is not None:
+        kernel.set_amx(request.param == "amx")
+    yield request.param
+    if kernel is not None:
+        kernel.set_amx(True)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
@@ -90,7 +105,7 @@ needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="cpu_flash_varle
 @pytest.mark.parametrize("masked", [False, True], ids=["all-keys", "key-mask"])
 @pytest.mark.parametrize(("head_dim", "kv_heads"), [(32, 4), (64, 2), (48, 1)], ids=["d32", "d64-gqa", "d48-mqa"])
 def test_matches_a_float64_reference(dtype: torch.dtype, causal: bool, window: tuple | None, masked: bool,
-                                     head_dim: int, kv_heads: int) -> None:
+                                     head_dim: int, kv_heads: int, products: str) -> None:
     lens, q, k, v, mask = case(head_dim + kv_heads + causal, dtype, head_dim, kv_heads, masked)
     backend = bare_backend(CpuFlashVarlenBackend)
     meta = backend.build_metadata(with_mask(lens, mask), causal, window=window)
@@ -109,7 +124,7 @@ def test_matches_a_float64_reference(dtype: torch.dtype, causal: bool, window: t
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 3, 8])
-def test_a_long_sequence_is_split_across_threads_and_every_thread_count_is_exact(threads: int) -> None:
+def test_a_long_sequence_is_split_across_threads_and_every_thread_count_is_exact(threads: int, products: str) -> None:
     """Tasks are runs of query blocks of one (sequence, head), sharing its converted keys and values; one long
     sequence is cut into several runs per head only where the threads would otherwise lack work."""
     kernel = load_kernel()
@@ -141,7 +156,7 @@ def test_a_long_sequence_is_split_across_threads_and_every_thread_count_is_exact
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_nan_in_one_sequence_stays_in_it(dtype: torch.dtype) -> None:
+def test_a_nan_in_one_sequence_stays_in_it(dtype: torch.dtype, products: str) -> None:
     """On one thread, the short sequence reuses the buffer that held the long one's NaN keys and values: the keys
     past its end that the kernel reads must be zeros, not what the buffer held before."""
     lens = [200, 5]
@@ -160,7 +175,7 @@ def test_a_nan_in_one_sequence_stays_in_it(dtype: torch.dtype) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_bf16_takes_the_dot_product_path_where_the_cpu_has_avx512_bf16(head_dim: int) -> None:
+def test_bf16_takes_the_dot_product_path_where_the_cpu_has_avx512_bf16(head_dim: int, products: str) -> None:
     """Under -march=native on a CPU with avx512_bf16, bf16 Q.K^T and P.V run as vdpbf16ps (P rounded to bf16); the
     result stays within two bf16 units of the float64 reference and close to the float32 path on the same inputs."""
     kernel = load_kernel()
@@ -178,8 +193,34 @@ def test_bf16_takes_the_dot_product_path_where_the_cpu_has_avx512_bf16(head_dim:
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_amx_tiles_where_the_cpu_has_amx_and_the_same_attention_as_vdpbf16ps(head_dim: int) -> None:
+    """On a CPU with AMX (Sapphire Rapids and later) the bf16 path's Q.K^T and P.V run as tile products; they give
+    the vdpbf16ps path's result within bf16 rounding (the same bf16 inputs and weights, another summation order)."""
+    kernel = load_kernel()
+    flags = cpu_flash.cpu_flags().split()
+    native_amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags) and cpu_flash.isa_flags() == ["-march=native"]
+    if not native_amx:
+        assert not kernel.amx_tiles()
+    if not kernel.amx_tiles():
+        pytest.skip("no AMX tile products here")
+    lens, q, k, v, mask = case(head_dim + 7, torch.bfloat16, head_dim, 2, True)
+    cu = torch.tensor([0] + lens).cumsum(0)
+    try:
+        kernel.set_amx(False)
+        assert not kernel.amx_tiles()
+        dp = kernel.varlen_attention(q, k, v, cu, mask, True, 40, -1, head_dim ** -0.5)
+    finally:
+        kernel.set_amx(True)
+    tiles = kernel.varlen_attention(q, k, v, cu, mask, True, 40, -1, head_dim ** -0.5)
+    expected = reference(q, k, v, lens, True, (40, 0), mask, head_dim ** -0.5)
+    assert float((tiles.double() - expected).abs().max()) <= tolerance(torch.bfloat16, expected)
+    assert float((tiles.double() - dp.double()).abs().max()) <= tolerance(torch.bfloat16, expected)
+
+
+@needs_kernel
 @pytest.mark.parametrize("head_dim", [32, 64, 48])
-def test_float32_inputs_take_bf16_products_when_asked(head_dim: int) -> None:
+def test_float32_inputs_take_bf16_products_when_asked(head_dim: int, products: str) -> None:
     """`bf16_products` (an int8 model's attention): float32 q/k/v are rounded to bf16 as they are read and take the
     dot-product path, float32 out, within the bf16 path's bound; where the build has no such path (no AVX512-BF16,
     or head_dim 48), the call is the float32 one, bit for bit. Through the backend: off until `use_bf16_products`,
@@ -205,7 +246,7 @@ def test_float32_inputs_take_bf16_products_when_asked(head_dim: int) -> None:
 
 
 @needs_kernel
-def test_a_query_whose_only_causal_key_is_masked_outputs_zeros() -> None:
+def test_a_query_whose_only_causal_key_is_masked_outputs_zeros(products: str) -> None:
     lens = [5, 1, 3]
     mask = torch.tensor([False, True, True, True, True, False, False, True, True])
     q, k, v = torch.randn(3, 9, 2, 16).unbind(0)
