@@ -429,11 +429,14 @@ const float* factor_arg(const c10::optional<at::Tensor>& factor, int64_t k) {
   return factor->data_ptr<float>();
 }
 
-// u8 [rows rounded up to a multiple of `multiple`, k], the rows past `rows` zero (oneDNN's int8 GEMM builds a
+// u8 [rows rounded up to a multiple of `multiple` (and coarser above 16 multiples, below), k], the rows past `rows` zero (oneDNN's int8 GEMM builds a
 // primitive per distinct row count: rounded counts repeat, see int8_linear.ROW_MULTIPLE)
 at::Tensor padded_bytes(int64_t rows, int64_t k, int64_t multiple, const at::TensorOptions& options) {
   TORCH_CHECK(multiple >= 1, "cpu_ops: multiple must be >= 1");
-  const int64_t padded = (rows + multiple - 1) / multiple * multiple;
+  // above 16 multiples, to 1/16-1/8 of rows (a power of two), as wde's cpu_linear.padded_rows rounds; 1: no padding
+  const int64_t bits = rows > 0 ? 64 - __builtin_clzll(static_cast<unsigned long long>(rows)) : 0;
+  const int64_t step = multiple == 1 ? 1 : std::max<int64_t>(multiple, int64_t{1} << std::max<int64_t>(0, bits - 4));
+  const int64_t padded = (rows + step - 1) / step * step;
   at::Tensor q = at::empty({padded, k}, options.dtype(at::kByte));
   if (padded > rows) std::memset(q.data_ptr<uint8_t>() + rows * k, 0, (padded - rows) * k);
   return q;

@@ -23,6 +23,7 @@ from wde import Engine
 from wde.components.attention.base import AttentionMetadata
 from wde.components.attention.cpu_flash import load_kernel
 from wde.components.models import int8_linear
+from wde.components.models.cpu_linear import padded_rows
 from wde.components.models.int8_linear import Int8Linear, int8_unsupported
 from wde.errors import ModelLoadError
 
@@ -487,6 +488,10 @@ def test_quantized_rows_are_padded_to_the_multiple_with_zeros(kernel: bool, monk
     assert q.shape == (64, 64) and scale.shape == zero.shape == (45,)
     assert torch.equal(q[:45], exact[0]) and (q[45:] == 0).all()
     assert int8_linear.quantize_rows(x[:32], None, 32)[0].shape == (32, 64)  # a multiple already: no padding
+    big = torch.randn(1900, 8, generator=torch.Generator().manual_seed(6))
+    assert int8_linear.quantize_rows(big, None, 32)[0].shape == (1920, 8)  # 1/16-1/8 of the rows: 128 here
+    assert [padded_rows(n) for n in (1, 32, 33, 511, 512, 513, 1900, 2048, 2049)] == [
+        32, 32, 64, 512, 512, 576, 1920, 2048, 2304]
 
 
 @needs_vnni
