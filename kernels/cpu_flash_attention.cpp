@@ -18,7 +18,9 @@
 // kernels do. On that path the softmax runs on the scores while they are still in registers, 4 rows at a time: their
 // maxima reduced together, the weights as 2^((s - max) scale log2 e) with a degree-4 polynomial (relative error
 // 2.7e-6, far below the weights' bf16 rounding), written as bf16 pairs for P.V; rows and keys are prefetched ahead
-// of the blocks and conversions that read them. head_dim is a template argument for 32, 64 and 128 (other sizes
+// of the blocks and conversions that read them. Where the build targets AMX (Sapphire Rapids and later) and Linux
+// grants the tile state, that path's two products run as AMX tile products instead (tdpbf16ps on the same pair
+// layouts; the softmax reads the scores back from an L1 buffer). head_dim is a template argument for 32, 64 and 128 (other sizes
 // take plain loops). wde/components/attention/cpu_flash.py builds it for the host's own instruction set
 // (-march=native), or for AVX2 under torch's AVX2 cap.
 #include <torch/extension.h>
