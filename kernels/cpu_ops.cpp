@@ -429,8 +429,8 @@ const float* factor_arg(const c10::optional<at::Tensor>& factor, int64_t k) {
   return factor->data_ptr<float>();
 }
 
-// u8 [rows rounded up to a multiple of `multiple` (and coarser above 16 multiples, below), k], the rows past `rows` zero (oneDNN's int8 GEMM builds a
-// primitive per distinct row count: rounded counts repeat, see int8_linear.ROW_MULTIPLE)
+// u8 [rows rounded up to a multiple of `multiple` (coarser above 16 multiples, below), k], the rows past `rows` zero
+// (oneDNN's int8 GEMM builds a primitive per distinct row count: rounded counts repeat, see cpu_linear.ROW_MULTIPLE)
 at::Tensor padded_bytes(int64_t rows, int64_t k, int64_t multiple, const at::TensorOptions& options) {
   TORCH_CHECK(multiple >= 1, "cpu_ops: multiple must be >= 1");
   // above 16 multiples, to 1/16-1/8 of rows (a power of two), as wde's cpu_linear.padded_rows rounds; 1: no padding

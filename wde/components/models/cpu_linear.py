@@ -65,8 +65,8 @@ def padded_rows(rows: int, multiple: int = ROW_MULTIPLE) -> int:
 def onednn_linear(x: torch.Tensor, dtype: torch.dtype, packed: torch.Tensor, bias: torch.Tensor | None,
                   attr: str = "none", algorithm: str = "") -> torch.Tensor:
     """`x` (cast to `dtype`) times a weight packed by `mkldnn._reorder_linear_weight`, plus bias and a fused
-    activation, with the rows rounded up to `ROW_MULTIPLE` for oneDNN and the result cut back to `x`'s rows. The
-    cast and the padding are one copy (a cast copies anyway); rows already a multiple go through as they are."""
+    activation, with the rows rounded up by `padded_rows` for oneDNN and the result cut back to `x`'s rows. The
+    cast and the padding are one copy (a cast copies anyway); a row count already rounded goes through as it is."""
     lead, k = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, k)
     rows = x.shape[0]
@@ -78,6 +78,7 @@ def onednn_linear(x: torch.Tensor, dtype: torch.dtype, packed: torch.Tensor, bia
         x = buf
     out = torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, bias, attr, [], algorithm)
     return out[:rows].view(*lead, out.shape[-1])
+
 
 _ONEDNN_FP32_ON_AVX2 = False
 """Whether `auto` prepacks fp32 linears on AVX2-only hosts: no. MiniLM end to end, one thread, CPU time (a
