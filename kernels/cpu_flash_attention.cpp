@@ -20,8 +20,8 @@
 // 2.7e-6, far below the weights' bf16 rounding), written as bf16 pairs for P.V; rows and keys are prefetched ahead
 // of the blocks and conversions that read them. Where the build targets AMX (Sapphire Rapids and later) and Linux
 // grants the tile state, that path's two products run as AMX tile products instead (tdpbf16ps on the same pair
-// layouts; the softmax reads the scores back from an L1 buffer). head_dim is a template argument for 32, 64 and 128 (other sizes
-// take plain loops). wde/components/attention/cpu_flash.py builds it for the host's own instruction set
+// layouts; the softmax reads the scores back from an L1 buffer). head_dim is a template argument for 32, 64 and 128
+// (other sizes take plain loops). wde/components/attention/cpu_flash.py builds it for the host's own instruction set
 // (-march=native), or for AVX2 under torch's AVX2 cap.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -681,16 +681,13 @@ void load_kv_dp(const Problem& pb, const Packed<const scalar_t>& k, const Packed
 }
 
 // One query block (rows q0 .. q0+QB-1 of a sequence, one head) against the task's converted keys kv (from kc0):
-// the bf16 dot-product path.
+// the bf16 dot-product path, its products as AMX tile products where `amx` (the worker configured the tiles).
 template <typename scalar_t, int64_t D>
 void attend_block_dp(const Problem& pb, const Packed<const scalar_t>& q, const Packed<scalar_t>& out, const KV& kv,
-                     int64_t start, int64_t len, int64_t q0, int64_t head, int64_t kc0, int64_t kc1) {
+                     int64_t start, int64_t len, int64_t q0, int64_t head, int64_t kc0, int64_t kc1, bool amx) {
   const int64_t rows = std::min(QB, len - q0);
 #ifdef WDE_AMX
-  const bool amx = use_amx();
   alignas(64) float s[QB][KB];  // the raw scores of a tile (AMX)
-#else
-  constexpr bool amx = false;
 #endif
   const int64_t pad = amx ? 16 : ROW_PAD;  // AMX's tiles are 16 rows
   const int64_t rows_padded = (rows + pad - 1) / pad * pad;
@@ -821,10 +818,15 @@ void run(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   // one worker per thread, each taking the next task from the shared counter until none is left
+  // AMX decided once per call, so every block of it agrees with the workers' tile configuration
+#ifdef WDE_AMX
+  const bool amx = DP && use_amx();
+#else
+  constexpr bool amx = false;
+#endif
   at::parallel_for(0, std::min(threads, ntasks), 1, [&](int64_t, int64_t) {
     thread_local KV kv;
 #ifdef WDE_AMX
-    const bool amx = DP && use_amx();
     if (amx) amx_configure();  // per worker: oneDNN's kernels load their own tile configuration on these threads
 #endif
     // each worker claims its next task before it runs the one in hand, so that the next one's first queries, keys
@@ -842,7 +844,7 @@ void run(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::
           _mm_prefetch(reinterpret_cast<const char*>(qp.row(start + r, task.head)), _MM_HINT_T0);
         load_kv_dp<scalar_t, D>(pb, kp, vp, start, kvh, kc0, kc1, kv);
         for (int64_t b = task.b0; b < task.b1; ++b)
-          attend_block_dp<scalar_t, D>(pb, qp, op, kv, start, len, b * QB, task.head, kc0, kc1);
+          attend_block_dp<scalar_t, D>(pb, qp, op, kv, start, len, b * QB, task.head, kc0, kc1, amx);
         continue;
       }
 #endif
