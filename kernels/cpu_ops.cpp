@@ -10,7 +10,8 @@
 // quantize_rows: x [rows, k] (float32 or bfloat16), times an optional per-channel factor (SmoothQuant's 1/s), is
 //   quantized per row to u8 with the row's own scale and zero point (asymmetric: the row's min..max onto 0..255), in
 //   one read of x and one write of a byte per value, instead of the eight tensor passes PyTorch ops take. The u8
-//   rows are allocated rounded up to a multiple (zero past the last row), so the GEMM sees few distinct row counts.
+//   rows are allocated to the count the caller rounded them up to (zero past the last row), so the GEMM sees few
+//   distinct row counts.
 // dequantize_rows_: y [rows, m] float32, the output of oneDNN's u8 x s8 GEMM with the weight scales applied
 //   (y = sum_k q[r,k] w[j,k] * wscale[j]), becomes in place
 //       y[r, j] = scale[r] * (y[r, j] - zero[r] * colsum[j]) + bias[j]
@@ -429,26 +430,22 @@ const float* factor_arg(const c10::optional<at::Tensor>& factor, int64_t k) {
   return factor->data_ptr<float>();
 }
 
-// u8 [rows rounded up to a multiple of `multiple` (coarser above 16 multiples, below), k], the rows past `rows` zero
-// (oneDNN's int8 GEMM builds a primitive per distinct row count: rounded counts repeat, see cpu_linear.ROW_MULTIPLE)
-at::Tensor padded_bytes(int64_t rows, int64_t k, int64_t multiple, const at::TensorOptions& options) {
-  TORCH_CHECK(multiple >= 1, "cpu_ops: multiple must be >= 1");
-  // above 16 multiples, to 1/16-1/8 of rows (a power of two), as wde's cpu_linear.padded_rows rounds; 1: no padding
-  const int64_t bits = rows > 0 ? 64 - __builtin_clzll(static_cast<unsigned long long>(rows)) : 0;
-  const int64_t step = multiple == 1 ? 1 : std::max<int64_t>(multiple, int64_t{1} << std::max<int64_t>(0, bits - 4));
-  const int64_t padded = (rows + step - 1) / step * step;
+// u8 [padded, k], the rows past `rows` zero. The caller rounds `padded` up from rows (wde's cpu_linear.padded_rows,
+// the one place the rule lives): oneDNN's int8 GEMM builds a primitive per distinct row count, rounded counts repeat
+at::Tensor padded_bytes(int64_t rows, int64_t k, int64_t padded, const at::TensorOptions& options) {
+  TORCH_CHECK(padded >= rows, "cpu_ops: padded (", padded, ") must be >= rows (", rows, ")");
   at::Tensor q = at::empty({padded, k}, options.dtype(at::kByte));
   if (padded > rows) std::memset(q.data_ptr<uint8_t>() + rows * k, 0, (padded - rows) * k);
   return q;
 }
 
 // x [rows, k] float32 / bfloat16, contiguous; factor [k] float32 or None. Returns (q u8 [rows', k], scale [rows],
-// zero [rows]) with x * factor ~= scale * (q - zero) row by row; rows' is rows rounded up to `multiple`.
-std::vector<at::Tensor> quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>& factor, int64_t multiple) {
+// zero [rows]) with x * factor ~= scale * (q - zero) row by row; rows' is `padded` (>= rows; zero rows past rows).
+std::vector<at::Tensor> quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>& factor, int64_t padded) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "cpu_ops: x must be a contiguous 2-d CPU tensor");
   const int64_t rows = x.size(0), k = x.size(1);
   const float* f = factor_arg(factor, k);
-  at::Tensor q = padded_bytes(rows, k, multiple, x.options());
+  at::Tensor q = padded_bytes(rows, k, padded, x.options());
   at::Tensor scale = at::empty({rows}, x.options().dtype(at::kFloat));
   at::Tensor zero = at::empty({rows}, x.options().dtype(at::kFloat));
   if (x.scalar_type() == at::kFloat) {
@@ -522,16 +519,16 @@ at::Tensor dequantize_rows_bf16_(at::Tensor& y, const at::Tensor& scale, const a
   return y.view(at::kBFloat16).narrow(1, 0, d.m);
 }
 
-// dequantize_rows_ on y, then y's rows quantized as quantize_rows(y, factor, multiple) would: returns (q u8 [rows',
+// dequantize_rows_ on y, then y's rows quantized as quantize_rows(y, factor, padded) would: returns (q u8 [rows',
 // m], scale [rows], zero [rows]) for the next int8 layer, with y (dequantized, activated) in place as
 // dequantize_rows_ leaves it
 std::vector<at::Tensor> dequantize_quantize_rows_(at::Tensor& y, const at::Tensor& scale, const at::Tensor& zero,
                                                   const at::Tensor& colsum, const c10::optional<at::Tensor>& bias,
                                                   int64_t act, const c10::optional<at::Tensor>& factor,
-                                                  int64_t multiple) {
+                                                  int64_t padded) {
   const Dequant d = dequant_args(y, scale, zero, colsum, bias, act);
   const float* f = factor_arg(factor, d.m);
-  at::Tensor q = padded_bytes(d.rows, d.m, multiple, y.options());
+  at::Tensor q = padded_bytes(d.rows, d.m, padded, y.options());
   at::Tensor s2 = at::empty({d.rows}, y.options());
   at::Tensor z2 = at::empty({d.rows}, y.options());
   with_activation(act, [&](auto a) {
@@ -569,16 +566,16 @@ at::Tensor dequantize_add_layer_norm_(at::Tensor& y, const at::Tensor& scale, co
   return y;
 }
 
-// dequantize_add_layer_norm_ on y, then y's rows quantized as quantize_rows(y, factor, multiple) would, for the
+// dequantize_add_layer_norm_ on y, then y's rows quantized as quantize_rows(y, factor, padded) would, for the
 // int8 layer that takes the norm's output: returns (q u8 [rows', n], scale [rows], zero [rows]), y normed in place
 std::vector<at::Tensor> dequantize_add_layer_norm_quantize_(
     at::Tensor& y, const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& colsum,
     const c10::optional<at::Tensor>& bias, const at::Tensor& residual, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& norm_bias, double eps, const c10::optional<at::Tensor>& factor,
-    int64_t multiple) {
+    int64_t padded) {
   const DequantNorm a = dequant_norm_args(y, scale, zero, colsum, bias, residual, weight, norm_bias);
   const float* f = factor_arg(factor, a.d.m);
-  at::Tensor q = padded_bytes(a.d.rows, a.d.m, multiple, y.options());
+  at::Tensor q = padded_bytes(a.d.rows, a.d.m, padded, y.options());
   at::Tensor s2 = at::empty({a.d.rows}, y.options());
   at::Tensor z2 = at::empty({a.d.rows}, y.options());
   dequantize_add_layer_norm_impl(a.d.y, a.d.scale, a.d.zero, a.d.colsum, a.d.bias, a.residual, a.w, a.b,

@@ -393,14 +393,14 @@ def test_dequantize_quantize_rows_is_the_two_passes_in_one(act: int) -> None:
     g = torch.Generator().manual_seed(3)
     y, scale, zero = torch.randn(70, 200, generator=g) * 40, torch.rand(70, generator=g), torch.rand(70) * 255
     colsum, bias, factor = torch.randn(200, generator=g), torch.randn(200, generator=g), torch.rand(200) + 0.5
-    for f, multiple in ((factor, 1), (None, 1), (factor, 32)):
+    for f, padded in ((factor, 70), (None, 70), (factor, 96)):
         fused = y.clone()
-        q, s, z = kernel.dequantize_quantize_rows_(fused, scale, zero, colsum, bias, act, f, multiple)
+        q, s, z = kernel.dequantize_quantize_rows_(fused, scale, zero, colsum, bias, act, f, padded)
         apart = kernel.dequantize_rows_(y.clone(), scale, zero, colsum, bias, act)
         assert torch.equal(fused, apart)
-        for got, want in zip((q, s, z), kernel.quantize_rows(apart, f, multiple)):
+        for got, want in zip((q, s, z), kernel.quantize_rows(apart, f, padded)):
             assert torch.equal(got, want)
-        assert q.shape == (70 if multiple == 1 else 96, 200)
+        assert q.shape == (padded, 200) and (q[70:] == 0).all()
 
 
 @pytest.mark.parametrize("width", [384, 100])
@@ -425,8 +425,8 @@ def test_dequantize_add_layer_norm_is_the_two_passes_in_one(width: int, affine: 
                                           1e-12)
 
 
-@pytest.mark.parametrize("multiple", [1, 32])
-def test_dequantize_add_layer_norm_quantize_is_the_norm_then_quantize_rows(multiple: int) -> None:
+@pytest.mark.parametrize("padded", [70, 96])
+def test_dequantize_add_layer_norm_quantize_is_the_norm_then_quantize_rows(padded: int) -> None:
     """The norm's pass that also quantizes its rows for the next int8 layer leaves y as `dequantize_add_layer_norm_`
     does and gives what `quantize_rows` gives on it, bit for bit."""
     kernel = int8_linear.int8_kernel()
@@ -440,11 +440,11 @@ def test_dequantize_add_layer_norm_quantize_is_the_norm_then_quantize_rows(multi
     for f in (factor, None):
         fused = y.clone()
         q, s, z = kernel.dequantize_add_layer_norm_quantize_(fused, scale, zero, colsum, bias, residual, w, b, 1e-12,
-                                                             f, multiple)
+                                                             f, padded)
         assert torch.equal(fused, normed)
-        for got, want in zip((q, s, z), kernel.quantize_rows(normed, f, multiple)):
+        for got, want in zip((q, s, z), kernel.quantize_rows(normed, f, padded)):
             assert torch.equal(got, want)
-        assert q.shape == (70 if multiple == 1 else 96, 100)
+        assert q.shape == (padded, 100) and (q[70:] == 0).all()
 
 
 @needs_vnni
@@ -492,6 +492,9 @@ def test_quantized_rows_are_padded_to_the_multiple_with_zeros(kernel: bool, monk
     assert int8_linear.quantize_rows(big, None, 32)[0].shape == (1920, 8)  # 1/16-1/8 of the rows: 128 here
     assert [padded_rows(n) for n in (1, 32, 33, 511, 512, 513, 1900, 2048, 2049)] == [
         32, 32, 64, 512, 512, 576, 1920, 2048, 2304]
+    if kernel:  # the kernel takes the count `padded_rows` gives (the rule's one home) and refuses one below the rows
+        with pytest.raises(RuntimeError, match="padded"):
+            int8_linear.int8_kernel().quantize_rows(x, None, 44)
 
 
 @needs_vnni

@@ -56,8 +56,8 @@ so (fewer primitives to build); later passes 828-841 against 853-867 ms (the ext
 
 def padded_rows(rows: int, multiple: int = ROW_MULTIPLE) -> int:
     """`rows` rounded up to a multiple of `multiple`, and above 16 multiples to 1/16-1/8 of `rows` (a power of two):
-    at most 8 row counts an octave, at under 1/8 extra rows; `multiple` 1: `rows`. kernels/cpu_ops.cpp's
-    `padded_bytes` rounds the same way."""
+    at most 8 row counts an octave, at under 1/8 extra rows; `multiple` 1: `rows`. The rule's one home: int8's
+    kernels (kernels/cpu_ops.cpp) are handed the count it gives."""
     step = 1 if multiple == 1 else max(multiple, 1 << max(0, rows.bit_length() - 4))
     return -(-rows // step) * step
 

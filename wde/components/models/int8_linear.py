@@ -102,7 +102,7 @@ def quantize_rows(x: torch.Tensor, factor: torch.Tensor | None, multiple: int = 
     their rows rounded up to `multiple`, zero past the last (`ROW_MULTIPLE`)."""
     kernel = int8_kernel()
     if kernel is not None and x.dtype in (torch.float32, torch.bfloat16):
-        return kernel.quantize_rows(x.contiguous(), factor, multiple)
+        return kernel.quantize_rows(x.contiguous(), factor, padded_rows(len(x), multiple))
     q, scale, zero = _quantize_rows_torch(x, factor)
     return torch.nn.functional.pad(q, (0, 0, 0, padded_rows(len(q), multiple) - len(q))), scale, zero
 
@@ -206,7 +206,7 @@ class Int8Linear(AddNormLinear):
         else:
             rows = kernel.dequantize_add_layer_norm_quantize_(y, scale, zero, self.colsum, self.bias,
                                                               flat.contiguous(), norm.weight, norm.bias, norm.eps,
-                                                              self.feeds.smooth, ROW_MULTIPLE)
+                                                              self.feeds.smooth, padded_rows(len(y)))
             out = y.view(shape)
             self.feeds._handed.rows = (out, _version(out), *rows)
         if _WATCHING:
@@ -226,7 +226,7 @@ class Int8Linear(AddNormLinear):
             out = out.reshape(*shape[:-1], self.out_features)
         else:
             rows = kernel.dequantize_quantize_rows_(y, scale, zero, self.colsum, self.bias, act, self.feeds.smooth,
-                                                    ROW_MULTIPLE)
+                                                    padded_rows(len(y)))
             out = y.reshape(*shape[:-1], self.out_features)
             self.feeds._handed.rows = (out, _version(out), *rows)
         if _WATCHING:
