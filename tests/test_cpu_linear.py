@@ -182,6 +182,36 @@ def test_onednn_linears_in_bfloat16(minilm_path: Path) -> None:
     assert float((vectors["onednn"] * vectors["torch"]).sum(axis=1).min()) >= 0.9999
 
 
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_rows_already_in_the_storage_are_used_without_a_copy(dtype: torch.dtype,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """An input that is a row prefix of a tensor holding the padded rows (another linear's output, cut back) goes
+    to oneDNN over its own storage, not copied; what those spare rows hold (NaN here) does not reach the real rows,
+    which equal those of the copying path. An input that is not such a prefix, or of another dtype, is copied."""
+    if dtype == torch.bfloat16 and onednn_error(torch.bfloat16) is not None:
+        pytest.skip("oneDNN runs no bfloat16 linear on this CPU")
+    g = torch.Generator().manual_seed(4)
+    linear = nn.Linear(48, 24).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+    bias = linear.bias.detach()
+    whole = torch.randn(64, 48, generator=g).to(dtype)
+    whole[45:] = float("nan")  # the spare rows past the 45 real ones
+    x = whole[:45]
+    assert cpu_linear.padded_rows(45) == 64
+    spared = cpu_linear._padded_in_place(x, 64, dtype)
+    assert spared is not None and spared.data_ptr() == whole.data_ptr() and spared.shape == (64, 48)
+    assert cpu_linear._padded_in_place(x.clone(), 64, dtype) is None  # its storage ends with its rows
+    assert cpu_linear._padded_in_place(whole[:45, :40], 64, dtype) is None  # not contiguous
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    assert cpu_linear._padded_in_place(x, 64, other) is None  # a cast copies anyway
+    got = cpu_linear.onednn_linear(x, dtype, packed, bias)
+    monkeypatch.setattr(cpu_linear, "_padded_in_place", lambda *a: None)
+    copied = cpu_linear.onednn_linear(x, dtype, packed, bias)
+    assert got.shape == copied.shape == (45, 24) and bool(torch.isfinite(got).all())
+    assert torch.equal(got, copied)
+
+
 def test_capped_kernels_decide_as_an_avx2_host() -> None:
     """With PyTorch's and oneDNN's kernels capped to AVX2 (how CI covers the AVX2 path on an AVX-512 host), WDE
     decides as on an AVX2-only CPU: no AVX-512 or AMX feature, PyTorch's fp32 linears, no oneDNN bf16."""
