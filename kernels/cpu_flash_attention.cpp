@@ -875,9 +875,11 @@ void dispatch_dim(const Problem& pb, const at::Tensor& q, const at::Tensor& k, c
 // [tokens] or None, window (left, right) with -1 for none. Returns a new [tokens, hq, d] tensor of q's dtype.
 // bf16_products: float32 q/k/v take the bf16 dot-product path too (rounded to bf16 as they are loaded; the softmax
 // and the outputs stay float32), where this build has it (bf16_dot_products()); else it changes nothing.
+// out_rows (>= tokens, or -1: tokens): the output is the first `tokens` rows of a tensor of that many, so the linear
+// after it (wde's cpu_linear.onednn_linear, which rounds its rows up by padded_rows) finds its padded rows in place.
 at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
                             const c10::optional<at::Tensor>& key_mask, bool causal, int64_t left, int64_t right,
-                            double scale, bool bf16_products) {
+                            double scale, bool bf16_products, int64_t out_rows) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "cpu_flash: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "cpu_flash: q/k/v must be [tokens, heads, head_dim]");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "cpu_flash: mixed dtypes");
@@ -898,7 +900,9 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
   constexpr int64_t NONE = std::numeric_limits<int32_t>::max();
   const Problem pb{cu, km, q.size(1), k.size(1), q.size(2), left < 0 ? NONE : left, right < 0 ? NONE : right,
                    causal, static_cast<float>(scale)};
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  TORCH_CHECK(out_rows == -1 || out_rows >= q.size(0), "cpu_flash: out_rows (", out_rows, ") below the tokens");
+  const int64_t rows = std::max(out_rows, q.size(0));
+  at::Tensor out = at::empty({rows, q.size(1), q.size(2)}, q.options()).narrow(0, 0, q.size(0));
   if (q.scalar_type() == at::kFloat && bf16_products && HAS_DPBF16) {
     dispatch_dim<float, HAS_DPBF16>(pb, q, k, v, out, nseq);
   } else if (q.scalar_type() == at::kFloat) {
@@ -958,7 +962,8 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> plan_tasks(const at:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("varlen_attention", &varlen_attention, "packed varlen attention (CPU, float32 / bfloat16)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens"), py::arg("key_mask"), py::arg("causal"),
-        py::arg("left"), py::arg("right"), py::arg("scale"), py::arg("bf16_products") = false);
+        py::arg("left"), py::arg("right"), py::arg("scale"), py::arg("bf16_products") = false,
+        py::arg("out_rows") = -1);
   m.def("bf16_dot_products", &bf16_dot_products, "whether bf16 inputs take the AVX512-BF16 dot-product path");
   m.def("amx_tiles", &amx_tiles, "whether that path's products run as AMX tile products");
   m.def("set_amx", &set_amx, "AMX tile products on (default) or off, where the build has them");

@@ -123,6 +123,30 @@ def test_matches_a_float64_reference(dtype: torch.dtype, causal: bool, window: t
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_output_holds_the_output_projections_padded_rows_in_place(dtype: torch.dtype) -> None:
+    """The backend's output is the first rows of a tensor with `padded_rows` of them: the same values as an output
+    of its own size, and the output projection (`onednn_linear`) pads it without a copy. `out_rows` below the
+    tokens is refused."""
+    from wde.components.models.cpu_linear import _padded_in_place, padded_rows
+
+    lens, q, k, v, _ = case(5, dtype, 32, 2, False)
+    tokens = sum(lens)
+    assert padded_rows(tokens) > tokens
+    backend = bare_backend(CpuFlashVarlenBackend)
+    out = backend.forward(q, k, v, backend.build_metadata(with_mask(lens, None), False), 32 ** -0.5)
+    assert out.shape == q.shape and out.is_contiguous()
+    assert out.untyped_storage().nbytes() == padded_rows(tokens) * 4 * 32 * out.element_size()
+    flat = out.reshape(tokens, -1)
+    assert _padded_in_place(flat, padded_rows(tokens), dtype).data_ptr() == out.data_ptr()
+    cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int64)
+    own = load_kernel().varlen_attention(q, k, v, cu, None, False, -1, -1, 32 ** -0.5)
+    assert own.untyped_storage().nbytes() == tokens * 4 * 32 * own.element_size() and torch.equal(out, own)
+    with pytest.raises(RuntimeError, match="out_rows"):
+        load_kernel().varlen_attention(q, k, v, cu, None, False, -1, -1, 32 ** -0.5, False, tokens - 1)
+
+
+@needs_kernel
 @pytest.mark.parametrize("threads", [1, 3, 8])
 def test_a_long_sequence_is_split_across_threads_and_every_thread_count_is_exact(threads: int, products: str) -> None:
     """Tasks are runs of query blocks of one (sequence, head), sharing its converted keys and values; one long

@@ -31,6 +31,7 @@ from wde.components.attention.cpu_varlen import CpuVarlenBackend
 from wde.components.attention.torch_sdpa import covering
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
+from wde.components.models.cpu_linear import padded_rows
 from wde.device import default_device
 from wde.kernels.cpp_build import cpu_flags, isa_flags, load
 
@@ -106,5 +107,6 @@ class CpuFlashVarlenBackend(CpuVarlenBackend):
             return super().forward(q, k, v, inner, scale)
         kernel = load_kernel()
         assert kernel is not None  # metadata of this shape is only built with the kernel loaded
+        # the output's storage holds the rows the output projection pads to, so it pads without a copy
         return kernel.varlen_attention(q, k, v, cu, key_mask, meta.causal, left, right, float(scale),
-                                       self.bf16_products)
+                                       self.bf16_products, padded_rows(q.shape[0]))
