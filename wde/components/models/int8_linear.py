@@ -425,8 +425,8 @@ def quantize_linears(model: nn.Module, originals: dict[str, nn.Linear], rows: in
                      maxima: dict[str, torch.Tensor], keep_float: frozenset[str] = frozenset(),
                      activations: dict[str, Activation] | None = None,
                      built: dict[tuple[str, str], nn.Module] | None = None) -> int:
-    """Put an `Int8Linear` of each of `originals` (smoothed by its input `maxima`) in `model`, except for the kinds
-    in `keep_float`, which get a `Bf16Linear` where bfloat16 is native (`bf16_pays`), else their float32 layer
+    """Put an `Int8Linear` of each of `originals` (smoothed by its input `maxima`) in `model`, except for the layers
+    named in `keep_float`, which get a `Bf16Linear` where bfloat16 is native (`bf16_pays`), else their float32 layer
     back; an int8 layer followed by one of `activations` (`fusible_activations`) applies it itself, its module
     replaced by `nn.Identity` (and put back when the layer is float). `built`: the layers made by earlier calls
     (the gate's trials), reused rather than quantized and packed again. Returns how many are int8."""
@@ -434,9 +434,9 @@ def quantize_linears(model: nn.Module, originals: dict[str, nn.Linear], rows: in
     built = {} if built is None else built
 
     def layer(name: str, linear: nn.Linear) -> nn.Module:
-        if kind_of(name) in keep_float and not bf16:
+        if name in keep_float and not bf16:
             return linear
-        key = (name, "bf16" if kind_of(name) in keep_float else "int8")
+        key = (name, "bf16" if name in keep_float else "int8")
         if key not in built:
             built[key] = (Bf16Linear(linear, rows) if key[1] == "bf16"
                           else Int8Linear(linear, rows, smoothing(linear, maxima.get(name))))
