@@ -332,9 +332,8 @@ def test_attention_that_cannot_mask_keys_refused_for_masked_expansion(backbone: 
         name = "test_no_key_mask"
         supports_key_mask = False
 
-    backends = get_registry().components["attention"]
-    backends.pop(NoKeyMask.name, None)
-    get_registry().add_component(NoKeyMask, plugin="tests.test_multi_vector")
+    registry = get_registry()
+    registry.add_component(NoKeyMask, plugin="tests.test_multi_vector")
     try:
         masked = build(backbone, tmp_path / "masked", expansion={"strategy": "fixed", "length": 8})
         with pytest.raises(ModelLoadError, match="attention backend 'test_no_key_mask' cannot mask keys"):
@@ -343,7 +342,7 @@ def test_attention_that_cannot_mask_keys_refused_for_masked_expansion(backbone: 
         with Engine.from_workflow(None, attend, overrides=["attention.name=test_no_key_mask"]) as engine:
             assert_parity(engine, st_model(attend), TEXTS[:3])
     finally:  # the registry is the process's: later tests (tests/test_capabilities.py lists the backends) see none
-        backends.pop(NoKeyMask.name, None)
+        del registry.components["attention"][NoKeyMask.name]
 
 
 def test_plain_folder_refused_by_the_workflow(minilm_path: Path) -> None:

@@ -67,8 +67,9 @@ class ModelParams(Params):
     below this."""
     min_mean_cosine: float = Field(0.9993, gt=0, le=1)
     """With int8: likewise for the mean cosine over the probe texts. The default keeps retrieval rankings: all-int8
-    all-MiniLM-L6-v2 measures 0.99927-0.99929 here and keeps 0.947 of the top 10 on word salad; the gate then keeps
-    its first block's down projection float (0.99933, top-10 0.960, 2-3% slower; docs/int8.md)."""
+    all-MiniLM-L6-v2 measures 0.99927 (Intel Xeon with AMX) and 0.99929 (Zen 5) and keeps 0.947 of the top 10 on
+    word salad; the gate then keeps its first block's down projection float (AMX Xeon: 0.99933, top-10 0.960,
+    2-3% slower; docs/int8.md)."""
     calibration: str | None = None
     """With int8: a file of probe texts for the fidelity gate, one a line (default: a built-in set)."""
 

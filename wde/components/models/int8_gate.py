@@ -123,17 +123,23 @@ def text_vectors(model: nn.Module, batch: ModelInput, pools: bool) -> torch.Tens
     return torch.stack([out[a:b].mean(0) for a, b in zip(bounds[:-1], bounds[1:])])
 
 
-def float_candidates(names: list[str], keep: frozenset[str]) -> list[frozenset[str]]:
-    """What the gate tries keeping float next, beside `keep`: of each layer kind (`kind_of`) not all kept, its first
-    and its last block's layer not yet kept, and all its layers not yet kept."""
+def layers_by_kind(names: list[str]) -> dict[str, list[str]]:
+    """`names` (in block order) grouped by layer kind (`kind_of`), each group in block order."""
     by_kind: dict[str, list[str]] = {}
-    for name in names:  # in block order
-        if name not in keep:
-            by_kind.setdefault(kind_of(name), []).append(name)
+    for name in names:
+        by_kind.setdefault(kind_of(name), []).append(name)
+    return by_kind
+
+
+def float_candidates(names: list[str], keep: frozenset[str]) -> list[frozenset[str]]:
+    """What the gate tries keeping float next, beside `keep`: of each layer kind not all kept, its first and its
+    last block's layer not yet kept, and all its layers not yet kept."""
     found: dict[frozenset[str], None] = {}
-    for layers in by_kind.values():
-        for c in (frozenset(layers[:1]), frozenset(layers[-1:]), frozenset(layers)):
-            found[c] = None
+    for layers in layers_by_kind(names).values():
+        rest = [n for n in layers if n not in keep]
+        if rest:
+            for c in (frozenset(rest[:1]), frozenset(rest[-1:]), frozenset(rest)):
+                found[c] = None
     return list(found)
 
 
@@ -158,11 +164,8 @@ def choose_float_layers(names: list[str], measure: Callable[[frozenset[str]], tu
 
 def named_layers(names: list[str], keep: frozenset[str]) -> list[str]:
     """`keep`'s layers by name, a kind whose layers are all kept by its kind (`encoder.layer.*.output.dense`)."""
-    by_kind: dict[str, list[str]] = {}
-    for name in names:
-        by_kind.setdefault(kind_of(name), []).append(name)
     out = []
-    for kind, layers in by_kind.items():
+    for kind, layers in layers_by_kind(names).items():
         kept = [n for n in layers if n in keep]
         out += [kind] if kept and len(kept) == len(layers) else kept
     return sorted(out)
@@ -197,6 +200,7 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
     texts = read_calibration(calibration) if calibration else list(PROBE_TEXTS)
     key = gate_key(model_path, texts, (min_cosine, min_mean_cosine), variant)
     originals = block_linears(model)
+    names = list(originals)  # in block order
     acts = fusible_activations(model, originals)
     batch = probe_batch(tokenizer, texts)
     with _host_lock():
@@ -216,12 +220,12 @@ def run_gate(model: nn.Module, tokenizer: object, model_path: Path, rows: int, m
                 cos = F.cosine_similarity(text_vectors(model, batch, pools), ref, dim=-1)
                 return float(cos.min()), float(cos.mean())
 
-            keep, low, mean = choose_float_layers(list(originals), measure, min_cosine, min_mean_cosine)
+            keep, low, mean = choose_float_layers(names, measure, min_cosine, min_mean_cosine)
             quantize_linears(model, originals, rows, maxima, keep, acts, built)
             source = f"measured on {len(texts)} texts"
             _write_cache(key, {"min_cosine": low, "mean_cosine": mean, "float_layers": sorted(keep)})
     dtype = "bfloat16" if int8_linear.bf16_pays() else "float32"
-    floats = f"; kept in {dtype}: {', '.join(named_layers(list(originals), keep))}" if keep else ""
+    floats = f"; kept in {dtype}: {', '.join(named_layers(names, keep))}" if keep else ""
     if low < min_cosine or mean < min_mean_cosine:
         short = [f"min cosine {low:.5f} < min_cosine {min_cosine}"] if low < min_cosine else []
         short += [f"mean cosine {mean:.5f} < min_mean_cosine {min_mean_cosine}"] if mean < min_mean_cosine else []
