@@ -21,9 +21,12 @@
 // of the blocks and conversions that read them. Where the build targets AMX (Sapphire Rapids and later) and Linux
 // grants the tile state, that path's two products run as AMX tile products instead (tdpbf16ps on the same pair
 // layouts; the softmax reads the scores back from an L1 buffer). head_dim is a template argument for 32, 64 and 128
-// (other sizes take plain loops). wde/components/attention/cpu_flash.py builds it for the host's own instruction set
+// (other sizes take plain loops). wde/kernels/cpp_build.py builds it for the host's own instruction set
 // (-march=native), or for AVX2 under torch's AVX2 cap.
-#include <torch/extension.h>
+// Only the headers used (not torch/extension.h, whose parsing was most of a build's time: wde/kernels/cpp_build.py)
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include "cpu_exp.h"

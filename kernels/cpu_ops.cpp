@@ -30,7 +30,10 @@
 //
 // GCC vector types (16 floats: one AVX-512 register, two AVX2 ones) and polynomial exp (~1 ulp) and erf (~1e-6
 // absolute), rows split over torch's intra-op threads. Built for the host's instruction set like the attention kernel.
-#include <torch/extension.h>
+// Only the headers used (not torch/extension.h, whose parsing was most of a build's time: wde/kernels/cpp_build.py)
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include "cpu_exp.h"

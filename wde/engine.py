@@ -26,8 +26,10 @@ from wde.chunking import ChunkMerger
 from wde.components.pooler import ChunkedPooling, Pooled, SpanPooling
 from wde.components.scheduler import SchedulerOutput
 from wde.components.scorer import Scorer, scoring_plan
+from wde.device import default_device
 from wde.engine_info import EngineInfo
 from wde.errors import ModelLoadError, RequestError, internal_error, one_line
+from wde.kernels.cpp_build import start_builds
 from wde.late_chunking import Document, LateChunk, check_spans, join, prepare, refuse_spans
 from wde.model_source import ModelSource
 from wde.registry import Registry, get_registry
@@ -198,12 +200,19 @@ def declared_options(components: Mapping[str, Any], workflow: str) -> dict[str, 
     return declared
 
 
+def cpu_kernels(workflow: ResolvedWorkflow) -> list[str]:
+    """The host-compiled C++ kernels the workflow's components call on CPU (`Component.cpu_kernels`), once each."""
+    return list(dict.fromkeys(k for rc in workflow.components.values() for k in rc.cls.cpu_kernels(rc.params)))
+
+
 class Engine:
     """A built workflow, ready to take requests. Create one with `Engine.from_workflow`."""
 
     def __init__(self, workflow: ResolvedWorkflow, source: ModelSource) -> None:
         self.workflow = workflow
         self.source = source
+        if default_device().type == "cpu":  # a first start's kernel compiles, beside each other and the model's load
+            start_builds(cpu_kernels(workflow))
         ctx = BuildContext(source, workflow.name)
         # built where the executor runs its batches (`Executor.place`): a `thread` executor's device thread, so that
         # the model loads and first runs on the thread that computes with it (on CPU, one OpenMP pool)

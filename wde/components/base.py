@@ -56,6 +56,13 @@ class Component:
     def __init__(self, params: Params, ctx: "BuildContext") -> None:
         self.params = params
 
+    @classmethod
+    def cpu_kernels(cls, params: Params) -> tuple[str, ...]:
+        """The host-compiled C++ kernels (`wde.kernels.cpp_build.KERNELS`) a component of this class built with
+        these params calls on CPU. An engine placed on CPU starts their builds first thing, so that a first start's
+        compiles run beside each other and beside the model's load. None by default."""
+        return ()
+
     def request_options(self) -> dict[str, tuple[str, ...]]:
         """The per-request options this component reads (`PoolingParams.options`, with `PoolingParams.option`),
         each with the values it takes, the default first. The engine accepts an option only where a component

@@ -17,7 +17,7 @@ from wde.components.attention.base import AttentionBackend, AttentionMetadata, A
 from wde.components.attention.cpu_flash import CpuFlashVarlenBackend, prefer_cpu_flash
 from wde.components.attention.cpu_varlen import CpuVarlenBackend, prefer_varlen
 from wde.components.attention.torch_sdpa import TorchSDPABackend, covering
-from wde.components.base import BuildContext
+from wde.components.base import BuildContext, Params
 from wde.components.model_input_builder import ModelInput
 
 
@@ -26,6 +26,10 @@ class AutoBackend(AttentionBackend):
     supports_bias = True  # a biased batch goes to torch_sdpa (CPU) or triton_varlen (CUDA), which take one
     supports_window = True  # every backend it picks from takes a window
     supports_key_mask = True  # and a key mask
+
+    @classmethod
+    def cpu_kernels(cls, params: Params) -> tuple[str, ...]:
+        return ("cpu_flash",)  # cpu_flash_varlen, its pick for CPU batches without a bias
 
     def __init__(self, params: AttentionParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)

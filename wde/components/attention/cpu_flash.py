@@ -10,10 +10,11 @@ bidirectional, local windows (only the keys in reach are read) and key masks; a 
 zeros, as on every backend. float32 inputs take the bf16 products too once `use_bf16_products` is called (an int8
 model's attention: its q/k/v are rounded to bf16 as the kernel reads them).
 
-The kernel is compiled once per host by `torch.utils.cpp_extension` (gcc, no download) into a cache folder
-(`WDE_KERNEL_CACHE`, default `~/.cache/wde/kernels`), keyed by the source, torch's version, the instruction set it
-targets and the CPU's flags: `-O3 -fopenmp` (OpenMP, so that torch's threads run its tasks) and `-march=native`, or
-AVX2 when `ATEN_CPU_CAPABILITY` caps torch at avx2 (plain x86-64 for `default`). Where it cannot be built (no
+The kernel is compiled once per host and Python environment by `wde.kernels.cpp_build` (the host's C++ compiler, no
+download) into a cache folder (`WDE_KERNEL_CACHE`, default `~/.cache/wde/kernels`), keyed by the source, torch's
+version and place, the instruction set it targets and the CPU's flags: `-O3 -fopenmp` (OpenMP, so that torch's threads
+run its tasks) and `-march=native`, or AVX2 when `ATEN_CPU_CAPABILITY` caps torch at avx2 (plain x86-64 for
+`default`). Where it cannot be built (no
 compiler) or is switched off (`WDE_CPU_FLASH=0`), one warning line says so and the backend computes the same
 attention with `cpu_varlen`'s per-run SDPA calls; so does a float16 batch (or a head_dim above 256, or q/k/v whose
 head_dim is strided).
@@ -29,14 +30,13 @@ import torch
 from wde.components.attention.base import AttentionMetadata, AttentionParams, Window
 from wde.components.attention.cpu_varlen import CpuVarlenBackend
 from wde.components.attention.torch_sdpa import covering
-from wde.components.base import BuildContext
+from wde.components.base import BuildContext, Params
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.cpu_linear import padded_rows
 from wde.device import default_device
-from wde.kernels.cpp_build import cpu_flags, isa_flags, load
+from wde.kernels.cpp_build import KERNELS, cpu_flags, isa_flags, load
 
 
-SOURCE = "cpu_flash_attention.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 256  # the kernel's MAX_D
 
@@ -44,7 +44,8 @@ MAX_HEAD_DIM = 256  # the kernel's MAX_D
 def load_kernel() -> ModuleType | None:
     """The compiled kernel module, built on first use and cached on disk (`wde.kernels.cpp_build`); None (said
     once) where it cannot be built or `WDE_CPU_FLASH=0` switches it off."""
-    return load(SOURCE, "wde_cpu_flash", "WDE_CPU_FLASH", "cpu_flash_varlen: kernel", "attention runs as cpu_varlen")
+    source, prefix, switch = KERNELS["cpu_flash"]
+    return load(source, prefix, switch, "cpu_flash_varlen: kernel", "attention runs as cpu_varlen")
 
 
 def avx512_build() -> bool:
@@ -65,6 +66,10 @@ class CpuFlashVarlenBackend(CpuVarlenBackend):
     name = "cpu_flash_varlen"
     supports_window = True
     supports_key_mask = True
+
+    @classmethod
+    def cpu_kernels(cls, params: Params) -> tuple[str, ...]:
+        return ("cpu_flash",)
 
     def __init__(self, params: AttentionParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from wde.components.attention.base import AttentionBackend, AttentionMetadata, Window
-from wde.components.base import BuildContext
+from wde.components.base import BuildContext, Params as ComponentParams
 from wde.components.kinds import Model
 from wde.components.lora import ADAPTER_OPTION, NO_ADAPTER, LoraSet
 from wde.components.model_input_builder import ModelInput
@@ -163,6 +163,11 @@ class PrefillModel(nn.Module, Model):
             from wde.kernels.cpp_build import cpu_ops
 
             cpu_ops()
+
+    @classmethod
+    def cpu_kernels(cls, params: ComponentParams) -> tuple[str, ...]:
+        int8 = isinstance(params, ModelParams) and params.quantization == "int8"
+        return ("cpu_ops",) if cls.uses_cpu_ops or int8 else ()
 
     def _quantize(self, params: ModelParams, ctx: BuildContext) -> str:
         """Quantize the blocks' linear layers to int8 behind the fidelity gate (`quantization: int8`), or refuse by
