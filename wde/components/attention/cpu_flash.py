@@ -73,8 +73,8 @@ class CpuFlashVarlenBackend(CpuVarlenBackend):
 
     def __init__(self, params: AttentionParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
-        # Build (or load) the kernel at start-up: a first build takes ~35 s, which inside the first batch would hold
-        # its requests and trip --stall-timeout. (A model placed on CPU on a GPU machine builds it at its first batch.)
+        # Build (or load) the kernel at start-up (the engine started its build first thing): a first build takes
+        # ~30 s, which inside the first batch would hold its requests and trip --stall-timeout. (A model placed on CPU on a GPU machine builds it at its first batch.)
         if default_device().type == "cpu":
             load_kernel()
 

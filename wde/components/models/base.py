@@ -90,7 +90,8 @@ class PrefillModel(nn.Module, Model):
     uses_cpu_ops: ClassVar[bool] = False
     """True for a model whose forward calls the host-compiled CPU kernels of `wde.kernels.cpp_build.cpu_ops` (the
     post-norm blocks' `add_layer_norm`): on CPU they are built (or loaded from the cache) at load, so that no batch
-    waits ~20 s for a first compile; other models never compile them (int8 does, at its gate)."""
+    waits ~25 s for a first compile (`cpu_kernels` names them, so the engine starts that build first thing); other
+    models never compile them (int8 does, at its gate)."""
     lora_skipped_modules: ClassVar[tuple[str, ...]] = ()
     """Checkpoint module names (as a PEFT adapter names them) whose LoRA weights are skipped: layers of the
     reference model that no output of this model reads (BERT's pooler); any other layer the model lacks is refused."""
