@@ -137,8 +137,8 @@ def _compile(plan: _Plan) -> None:
         partial.unlink(missing_ok=True)
         lines = [line for line in done.stderr.splitlines() if "error" in line.lower()] or done.stderr.splitlines()
         raise RuntimeError(f"{cxx} exited {done.returncode}: {lines[0].strip() if lines else 'no output'}")
+    (plan.folder / "environment").write_text(plan.environment + "\n")  # whose build this is (`_prune`)
     os.replace(partial, plan.library)  # complete or absent: a build killed before this leaves no library
-    (plan.folder / "environment").write_text(plan.environment + "\n")
     log.info("compiled %s in %.0f s", plan.source.name, time.monotonic() - start)
 
 
