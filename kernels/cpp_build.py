@@ -11,8 +11,9 @@ targets and the CPU's flags. Each host and environment compiles each kernel once
   run on the calling thread.
 - The sources include only the headers they use (ATen's tensor, `at::parallel_for`, torch's pybind11 casters), not
   `torch/extension.h`: parsing that header was most of a build's time.
-- `start_builds()` starts every kernel's build in the background (an engine placed on CPU calls it first, so the
-  compiles run beside each other and beside the model's load); `build` waits for the one under way.
+- `start_builds(names)` starts those kernels' builds in the background (an engine placed on CPU calls it first with
+  the kernels its components name, so the compiles run beside each other and beside the model's load); `build`
+  waits for the one under way.
 - A build holds an OS lock on its folder (`fcntl.flock`): a second process waits for it and then loads what it
   built, and a process killed mid-build leaves nothing that blocks the next (the lock goes with the process; the
   library is written under a temporary name and renamed into place when complete).
@@ -162,18 +163,13 @@ def _prune(plan: _Plan) -> None:
             continue
         recorded = folder / "environment"
         try:
-            gone = not recorded.exists() or not Path(recorded.read_text().strip()).is_dir()
-        except OSError:
-            continue
-        if gone and (folder / "build.lock").exists():
+            if recorded.exists() and Path(recorded.read_text().strip()).is_dir():
+                continue
             with open(folder / "build.lock", "a") as f:  # not while a process is building it
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 shutil.rmtree(folder, ignore_errors=True)
-        elif gone:
-            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:  # unreadable, or locked by its build
+            continue
 
 
 def _build(plan: _Plan) -> ModuleType:

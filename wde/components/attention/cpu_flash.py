@@ -12,12 +12,11 @@ model's attention: its q/k/v are rounded to bf16 as the kernel reads them).
 
 The kernel is compiled once per host and Python environment by `wde.kernels.cpp_build` (the host's C++ compiler, no
 download) into a cache folder (`WDE_KERNEL_CACHE`, default `~/.cache/wde/kernels`), keyed by the source, torch's
-version and place, the instruction set it targets and the CPU's flags: `-O3 -fopenmp` (OpenMP, so that torch's threads
-run its tasks) and `-march=native`, or AVX2 when `ATEN_CPU_CAPABILITY` caps torch at avx2 (plain x86-64 for
-`default`). Where it cannot be built (no
-compiler) or is switched off (`WDE_CPU_FLASH=0`), one warning line says so and the backend computes the same
-attention with `cpu_varlen`'s per-run SDPA calls; so does a float16 batch (or a head_dim above 256, or q/k/v whose
-head_dim is strided).
+version and place, the instruction set it targets and the CPU's flags: `-O3 -fopenmp` (OpenMP, so that torch's
+threads run its tasks) and `-march=native`, or AVX2 when `ATEN_CPU_CAPABILITY` caps torch at avx2 (plain x86-64 for
+`default`). Where it cannot be built (no compiler) or is switched off (`WDE_CPU_FLASH=0`), one warning line says so
+and the backend computes the same attention with `cpu_varlen`'s per-run SDPA calls; so does a float16 batch (or a
+head_dim above 256, or q/k/v whose head_dim is strided).
 """
 
 from __future__ import annotations
@@ -74,7 +73,8 @@ class CpuFlashVarlenBackend(CpuVarlenBackend):
     def __init__(self, params: AttentionParams, ctx: BuildContext) -> None:
         super().__init__(params, ctx)
         # Build (or load) the kernel at start-up (the engine started its build first thing): a first build takes
-        # ~30 s, which inside the first batch would hold its requests and trip --stall-timeout. (A model placed on CPU on a GPU machine builds it at its first batch.)
+        # ~30 s, which inside the first batch would hold its requests and trip --stall-timeout. (A model placed on
+        # CPU on a GPU machine builds it at its first batch.)
         if default_device().type == "cpu":
             load_kernel()
 
