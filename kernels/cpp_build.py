@@ -19,11 +19,14 @@ targets and the CPU's flags. Each host and environment compiles each kernel once
   library is written under a temporary name and renamed into place when complete).
 - Where a kernel cannot be built (no compiler, no headers, a failed compile) `build` returns None and why, and its
   caller says so in one warning line and takes its pure-PyTorch path.
+- `build_kernels()` builds every kernel ahead of a first start, and `kernel_states()` says which are built: the
+  `wde kernels build` and `wde kernels status` commands (a container image's build step, a deployment's check).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -241,6 +244,63 @@ def load(source: str, prefix: str, switch: str, what: str, instead: str) -> Modu
     if module is None:
         log.warning("%s not built (%s); %s", what, why, instead)
     return module
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelState:
+    """One kernel as this host and Python environment would load it (`wde kernels status`)."""
+
+    name: str
+    source: str
+    built: bool
+    """Its library is in the cache: a start loads it without compiling."""
+    switched_off: bool
+    """Its environment variable (`switch`) is 0/false/off/no: nothing loads or builds it."""
+    switch: str
+    folder: str
+    compiler: str
+    isa: str
+    """The compiler's instruction-set flags (`-march=native`, or torch's cap)."""
+
+
+def kernel_states() -> list[KernelState]:
+    """Every kernel of `KERNELS`, and whether this host and environment have it built. Reads the cache only."""
+    states = []
+    for name, (source, prefix, switch) in KERNELS.items():
+        plan = _Plan(source, prefix)
+        states.append(KernelState(name, plan.source.name, plan.library.exists(), switched_off(switch), switch,
+                                  str(plan.folder), compiler(), " ".join(isa_flags())))
+    return states
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """What `build_kernels` did for one kernel."""
+
+    state: KernelState
+    seconds: float | None
+    """How long this call waited for its build (compiling, or another process's build under way); None where it was
+    built already, switched off or failed."""
+    error: str = ""
+    """Why it could not be built ("" where it was)."""
+
+
+def build_kernels() -> list[Built]:
+    """Build every kernel not switched off for this host and Python environment, all at once, as an engine's first
+    start would (`wde kernels build`), so that start compiles nothing. A kernel already built is only loaded."""
+    states = kernel_states()
+    start_builds(s.name for s in states if not s.built)
+    started = time.monotonic()
+    done = []
+    for state in states:
+        if state.switched_off:
+            done.append(Built(state, None))
+            continue
+        source, prefix, _ = KERNELS[state.name]
+        module, why = build(source, prefix)
+        seconds = None if state.built or module is None else time.monotonic() - started
+        done.append(Built(dataclasses.replace(state, built=module is not None), seconds, why))
+    return done
 
 
 @functools.cache

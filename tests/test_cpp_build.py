@@ -6,7 +6,9 @@ tests/test_cpu_flash_attention.py."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -162,3 +164,71 @@ def test_the_kernels_include_only_the_headers_they_use() -> None:
     for source in ("cpu_ops.cpp", "cpu_flash_attention.cpp"):
         text = (ROOT / "kernels" / source).read_text()
         assert "#include <torch/extension.h>" not in text and "#include <torch/csrc/utils/pybind.h>" in text
+
+
+def kernels_cli(*args: str) -> tuple[int, str, str]:
+    from click.testing import CliRunner
+
+    from wde.cli import main
+
+    result = CliRunner().invoke(main, ["kernels", *args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+@needs_compiler
+def test_wde_kernels_build_ahead_of_a_first_start_then_status(small: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`wde kernels build` compiles every kernel (here two small ones standing for cpu_ops and cpu_flash) into the
+    cache a start loads from; a second run and `status` find them built; a switched-off kernel is said so."""
+    monkeypatch.setenv("WDE_KERNEL_CACHE", str(tmp_path / "cache"))
+    other = tmp_path / "other.cpp"
+    other.write_text(SMALL.replace("42", "7"))
+    monkeypatch.setattr(cpp_build, "KERNELS", {"one": (str(small), "wde_test_one", "WDE_TEST_ONE"),
+                                               "two": (str(other), "wde_test_two", "WDE_TEST_TWO")})
+    code, out, err = kernels_cli("status", "--check")
+    assert code == 1 and "one (small.cpp): not built" in out and "two (other.cpp): not built" in out
+    assert err.strip() == "wde kernels status: not built: one, two (run `wde kernels build`)"
+    code, out, err = kernels_cli("build")
+    assert code == 0, err
+    assert err.strip() == "compiling one, two for this CPU (once per host and Python environment)..."
+    lines = out.splitlines()
+    assert len(lines) == 2 and all(re.fullmatch(r"(one \(small|two \(other)\.cpp\): built in \d+ s: .+", line)
+                                   for line in lines), out
+    for line, (source, prefix, _) in zip(lines, cpp_build.KERNELS.values()):
+        module, why = cpp_build.build(source, prefix)  # what a start would load: the very folder built above
+        assert module is not None and line.endswith(str(Path(module.__file__).parent)), (line, why)
+    assert cpp_build.build(str(other), "wde_test_two")[0].answer() == 7
+    code, out, err = kernels_cli("build", "--format", "json")
+    report = json.loads(out)
+    assert code == 0 and [(k["name"], k["built"], k["seconds"], k["error"]) for k in report] == [
+        ("one", True, None, ""), ("two", True, None, "")] and err == ""  # already built: nothing compiled
+    code, out, err = kernels_cli("status", "--check", "--format", "json")
+    assert code == 0 and [k["built"] for k in json.loads(out)] == [True, True]
+    monkeypatch.setenv("WDE_TEST_TWO", "0")
+    code, out, _ = kernels_cli("status")
+    assert code == 0 and "two (other.cpp): switched off (WDE_TEST_TWO=0)" in out
+
+
+def test_wde_kernels_build_fails_in_one_line_a_kernel(small: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WDE_KERNEL_CACHE", str(tmp_path / "cache"))
+    missing = str(tmp_path / "no-such-c++")
+    monkeypatch.setenv("CXX", missing)
+    monkeypatch.setattr(cpp_build, "KERNELS", {"one": (str(small), "wde_test_one", "WDE_TEST_ONE")})
+    code, out, err = kernels_cli("build")
+    assert code == 1 and out.startswith("one (small.cpp): not built: ")
+    assert err.splitlines()[-1] == f"wde kernels build: one not built: FileNotFoundError: no C++ compiler {missing!r} (set CXX)"
+
+
+def test_wde_kernels_status_names_the_folder_the_engine_loads() -> None:
+    """The real kernels: `status` reports built, at the folder the loaded module came from."""
+    module = cpp_build.cpu_ops()
+    if module is None:
+        pytest.skip("cpu_ops cannot be built here")
+    code, out, _ = kernels_cli("status", "--format", "json")
+    states = {k["name"]: k for k in json.loads(out)}
+    assert code == 0 and set(states) == set(cpp_build.KERNELS)
+    assert states["cpu_ops"]["built"] and states["cpu_ops"]["folder"] == str(Path(module.__file__).parent)
+    assert states["cpu_ops"]["isa"] == " ".join(cpp_build.isa_flags())

@@ -1,4 +1,4 @@
-"""The `wde` command: serve, validate, inspect, plugins, embed."""
+"""The `wde` command: serve, validate, inspect, plugins, embed, kernels."""
 
 from __future__ import annotations
 
@@ -145,6 +145,73 @@ def plugins(fmt: str) -> None:
         click.echo(plugin)
         for key, items in sorted(what.items()):
             click.echo(f"  {key}: {', '.join(sorted(items))}")
+
+
+@main.group()
+def kernels() -> None:
+    """WDE's C++ CPU kernels: build them before a first start, or see which are built.
+
+    A start on CPU compiles the kernels its model calls, once per host and Python environment (about 30 s on
+    2 cores); `wde kernels build` does that ahead of time, e.g. as a container image's build step on the CPU type
+    it will run on (the build is for this CPU's instruction set: another CPU builds its own)."""
+
+
+@kernels.command("build")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="json for machines")
+def kernels_build(fmt: str) -> None:
+    """Compile every kernel for this host and Python environment (those built already are only loaded)."""
+    import dataclasses
+
+    from wde.kernels.cpp_build import build_kernels, kernel_states
+
+    todo = [s.name for s in kernel_states() if not s.built and not s.switched_off]
+    if todo:
+        click.echo(f"compiling {', '.join(todo)} for this CPU (once per host and Python environment)...", err=True)
+    done = build_kernels()
+    if fmt == "json":
+        click.echo(json.dumps([{**dataclasses.asdict(b.state), "seconds": b.seconds, "error": b.error} for b in done],
+                              indent=2))
+    else:
+        for b in done:
+            s = b.state
+            if s.switched_off:
+                what = f"switched off ({s.switch}=0)"
+            elif b.error:
+                what = "not built"
+            else:
+                what = "already built" if b.seconds is None else f"built in {b.seconds:.0f} s"
+            click.echo(f"{s.name} ({s.source}): {what}: {s.folder}")
+    failed = [b for b in done if b.error]
+    for b in failed:
+        click.echo(f"wde kernels build: {b.state.name} not built: {b.error}", err=True)
+    if failed:
+        sys.exit(1)
+
+
+@kernels.command("status")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="json for machines")
+@click.option("--check", is_flag=True, default=False, help="exit 1 when a kernel that is not switched off is not built")
+def kernels_status(fmt: str, check: bool) -> None:
+    """Which kernels this host and Python environment have built (reads the cache, compiles nothing)."""
+    import dataclasses
+
+    from wde.kernels.cpp_build import kernel_states
+
+    states = kernel_states()
+    if fmt == "json":
+        click.echo(json.dumps([dataclasses.asdict(s) for s in states], indent=2))
+    else:
+        for s in states:
+            what = f"switched off ({s.switch}=0)" if s.switched_off else "built" if s.built else "not built"
+            click.echo(f"{s.name} ({s.source}): {what}: {s.folder}")
+        if states:
+            click.echo(f"compiler {states[0].compiler}, {states[0].isa or 'no instruction-set flags'}")
+    missing = [s.name for s in states if not s.built and not s.switched_off]
+    if check and missing:
+        click.echo(f"wde kernels status: not built: {', '.join(missing)} (run `wde kernels build`)", err=True)
+        sys.exit(1)
 
 
 def _options(values: tuple[str, ...]) -> dict[str, str]:
