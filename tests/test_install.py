@@ -85,6 +85,19 @@ def test_wde_inspect_in_a_wheel_install(venv: Path, run_dir: Path) -> None:
     assert str(venv) in result.stdout  # source: the workflow file of the venv's package data
 
 
+def test_wde_kernels_status_in_a_wheel_install(venv: Path, run_dir: Path) -> None:
+    """The kernels' sources ship as package data (a start compiles them from there) and `wde kernels status` reads
+    them from the venv's copy."""
+    site = Path(sh([venv / "bin" / "python", "-c", "import wde, sys; sys.stdout.write(wde.__file__)"], run_dir,
+                   clean_env()).stdout).resolve().parents[1]
+    for name in ("cpu_ops.cpp", "cpu_flash_attention.cpp", "cpu_exp.h", "cpp_build.py"):
+        assert (site / "wde" / "kernels" / name).is_file(), name
+    result = sh([venv / "bin" / "wde", "kernels", "status", "--format", "json"], run_dir, clean_env())
+    states = {k["name"]: k for k in json.loads(result.stdout)}
+    assert {n: k["source"] for n, k in states.items()} == {"cpu_ops": "cpu_ops.cpp",
+                                                          "cpu_flash": "cpu_flash_attention.cpp"}
+
+
 def test_wde_serve_in_a_wheel_install(venv: Path, run_dir: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
