@@ -4,11 +4,16 @@ N concurrent clients (bare asyncio keep-alive connections) each send /v1/embeddi
 a fixed total is done, for every N in `--clients` and K in `--texts-per-request`. Each server runs in its own
 process, one after the other, so neither competes with the load generator or the other for the interpreter
 lock. Prints requests/s, inputs/s, p50/p99 latency and, for WDE (from its /metrics), tokens/s, the mean batch
-size it formed and the device busy fraction (device seconds / wall seconds); then the throughput ratios.
+size it formed and the device busy fraction (device seconds / wall seconds), and the CPU time each of the server's
+processes spent per request (one process, or the engine core and each API server: busiest first; where serving is
+bound by the host, this says which process binds it); then the throughput ratios. `--api-servers auto` (the
+default) runs WDE as `wde serve` would on this host: one process on a CPU-only host, the engine core behind a quarter
+of the cores as API servers where there is a GPU.
 
     python benchmarks/serve_load.py --clients 64 --requests 2000
     python benchmarks/serve_load.py --clients 1,64,256,1024 --texts-per-request 1,32 --requests 4000
     python benchmarks/serve_load.py --api-servers 0,1,2 --clients 64,256   # one process vs split engine core
+    python benchmarks/serve_load.py --api-servers 0,auto                    # one process vs wde serve's default
     python benchmarks/serve_load.py --variant runner.params.cpu_streams=1   # also WDE with this setting
 """
 
@@ -23,7 +28,8 @@ import re
 import socket
 import statistics
 import time
-from dataclasses import dataclass
+from pathlib import Path
+from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
@@ -90,6 +96,8 @@ class LoadResult:
     tokens: float | None = None
     busy: float | None = None
     batch: float | None = None
+    cpu_ms: list[float] = field(default_factory=list)
+    """CPU milliseconds per request of each of the server's processes, busiest first."""
 
     @property
     def rps(self) -> float:
@@ -148,6 +156,37 @@ async def load(url: str, texts: list[str], clients: int, per_request: int = 1) -
     return LoadResult(time.perf_counter() - start, latencies, failures, inputs=len(latencies) * per_request)
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process under it (Linux /proc; [] elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if Path(f"/proc/{p}").exists():
+            found.append(p)
+        todo.extend(children.get(p, []))
+    return found
+
+
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """User + system CPU seconds so far of each process that still runs."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def wait_healthy(url: str, proc: mp.Process, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -185,7 +224,12 @@ def run_server(name: str, target, args: tuple, texts: list[str], sweep: list[tup
         for clients, per_request in sweep:
             asyncio.run(load(url, texts[:clients * per_request], clients, per_request))  # warm-up
             before = counters(url) if name.startswith("wde") else None
+            pids = process_tree(proc.pid)
+            cpu_before = cpu_seconds(pids)
             result = asyncio.run(load(url, texts, clients, per_request))
+            cpu_after = cpu_seconds(pids)
+            result.cpu_ms = sorted(((cpu_after[p] - cpu_before[p]) * 1e3 / max(len(result.latencies), 1)
+                                    for p in cpu_after if p in cpu_before), reverse=True)
             if before is not None:
                 after = counters(url)
                 delta = {k: after[k] - before[k] for k in after}
@@ -198,6 +242,8 @@ def run_server(name: str, target, args: tuple, texts: list[str], sweep: list[tup
             print(f"{name:>6} clients {clients:5d} x {per_request:3d} texts: {result.rps:8.1f} req/s"
                   f" {result.inputs / result.seconds:9.1f} inputs/s  p50 {result.percentile(50):8.1f} ms"
                   f"  p99 {result.percentile(99):8.1f} ms  failures {result.failures}{extra}", flush=True)
+            print(f"{name:>6}   CPU ms per request, by process (busiest first): "
+                  + " ".join(f"{ms:.2f}" for ms in result.cpu_ms if ms >= 0.005), flush=True)
     finally:
         proc.terminate()
         proc.join(30)
@@ -208,6 +254,13 @@ def int_list(value: str) -> list[int]:
     return [int(x) for x in value.split(",") if x.strip()]
 
 
+def api_server_counts(value: str) -> list[int]:
+    """`--api-servers`: counts, `auto` among them meaning `wde serve`'s own default on this host."""
+    from wde.server.processes import default_api_servers
+
+    return [default_api_servers() if x.strip() == "auto" else int(x) for x in value.split(",") if x.strip()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model folder (default: the packaged all-MiniLM-L6-v2)")
@@ -216,8 +269,9 @@ def main() -> None:
     parser.add_argument("--texts-per-request", type=int_list, default=[1], help="comma-separated, e.g. 1,32")
     parser.add_argument("--requests", type=int, default=2000, help="texts sent per load (per sweep point)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the sentence-transformers server")
-    parser.add_argument("--api-servers", type=int_list, default=[0],
-                        help="comma-separated; 0 = one process, N = engine core + N API-server processes")
+    parser.add_argument("--api-servers", type=api_server_counts, default="auto",
+                        help="comma-separated; 0 = one process, N = engine core + N API-server processes, auto ="
+                             " wde serve's default here (0 on a CPU-only host, a quarter of the cores with a GPU)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="workflow setting for every WDE server (as `wde serve --set`)")
     parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[;KEY=VALUE]",

@@ -135,3 +135,37 @@ def test_multi_model_load_runs_both_sides_and_they_agree() -> None:
     assert re.search(r"^ +all +[\d.]+ +[\d.]+ +[\d.]+x$", text, re.M), text
     paired = r"^paired ratio combined / separate, all kinds, per round: [\d.]+x; median [\d.]+x$"
     assert re.search(paired, text, re.M), text
+
+
+def test_serve_load_reports_each_server_process_cpu_per_request() -> None:
+    """`benchmarks/serve_load.py` (gpu_check.sh's serving step) one process and split: its request line, then the CPU
+    time per request of each server process, busiest first (one figure for one process; the engine core and an API
+    server, both busy, for `--api-servers 1`); `auto` is `wde serve`'s own default on this host."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--clients", "4", "--requests", "64",
+         "--no-baseline", "--api-servers", "0,1,auto"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    text = out.stdout
+    from wde.server.processes import default_api_servers
+
+    labels = list(dict.fromkeys(["wde/0", "wde/1", f"wde/{default_api_servers()}"]))
+    for label in labels:
+        assert re.search(rf"^ *{label} clients +4 x +1 texts: +[\d.]+ req/s .* failures 0 ", text, re.MULTILINE), text
+        (figures,) = re.findall(rf"^ *{label} +CPU ms per request, by process \(busiest first\): ([\d. ]+)$", text,
+                                re.MULTILINE)
+        ms = [float(x) for x in figures.split()]
+        assert ms == sorted(ms, reverse=True) and all(x > 0 for x in ms), text
+        if label == "wde/0":
+            assert len(ms) == 1, text
+        if label == "wde/1":
+            assert len(ms) >= 2 and ms[1] > 0.01, text  # the core and the API server both work for each request
+
+
+def test_gpu_check_script_parses_and_names_scripts_that_exist() -> None:
+    """benchmarks/gpu_check.sh runs only where a GPU is lent: here, its syntax and every script it calls."""
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    called = set(re.findall(r"(benchmarks/\w+\.py|tests/test_\w+\.py)", script.read_text()))
+    assert "benchmarks/serve_load.py" in called and "benchmarks/gpu_parity.py" in called
+    assert all((ROOT / path).is_file() for path in called), sorted(p for p in called if not (ROOT / p).is_file())

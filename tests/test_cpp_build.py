@@ -219,7 +219,8 @@ def test_wde_kernels_build_fails_in_one_line_a_kernel(small: Path, tmp_path: Pat
     monkeypatch.setattr(cpp_build, "KERNELS", {"one": (str(small), "wde_test_one", "WDE_TEST_ONE")})
     code, out, err = kernels_cli("build")
     assert code == 1 and out.startswith("one (small.cpp): not built: ")
-    assert err.splitlines()[-1] == f"wde kernels build: one not built: FileNotFoundError: no C++ compiler {missing!r} (set CXX)"
+    assert err.splitlines()[-1] == (f"wde kernels build: one not built: FileNotFoundError: no C++ compiler {missing!r}"
+                                    " (set CXX)")
 
 
 def test_wde_kernels_status_names_the_folder_the_engine_loads() -> None:
