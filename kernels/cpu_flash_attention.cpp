@@ -535,33 +535,58 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-// tiles 0 (outputs: 16 x 16 float32), 1 (left: 16 rows of 32 bf16), 2 (right: 16 rows of 16 bf16 pairs)
+// all eight tiles 16 rows of 64 bytes: 16 x 16 float32 outputs, 16 rows of 32 bf16 (16 pairs) as inputs. The two
+// products below use them as four outputs, two left and two right inputs: the four products of a step are
+// independent, so the tile unit overlaps them, and each input loaded serves two products
 inline void amx_configure() {
   TileConfig cfg;
-  for (int t = 0; t < 3; ++t) {
+  for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
   _tile_loadconfig(&cfg);
 }
 
-// s[r][x * 16 ..] = q2[r] . K of the tile's key vector x, for rows [0, rows) (a multiple of 16), vectors [0, nv)
+// s[r][x * 16 ..] = q2[r] . K of the tile's key vector x, for rows [0, rows) (a multiple of 16), vectors [0, nv).
+// Tiles: outputs 0 (rows h, keys x), 4 (h, x+1), 3 (h+16, x), 5 (h+16, x+1); queries 1 (rows h), 6 (h+16); keys 2
+// (vector x), 7 (x+1)
 template <int64_t D>
 inline void scores_amx(const uint32_t (*q2)[D / 2], const uint32_t* kt, int64_t rows, int64_t nv, float (*s)[KB]) {
-  for (int64_t h = 0; h < rows; h += 16)
-    for (int64_t x = 0; x < nv; ++x) {
+  for (int64_t h = 0; h < rows; h += 32) {
+    const bool two = h + 16 < rows;
+    for (int64_t x = 0; x < nv; x += 2) {
+      const bool pair = x + 1 < nv;
       _tile_zero(0);
+      _tile_zero(4);
+      _tile_zero(3);
+      _tile_zero(5);
       for (int64_t cc = 0; cc < D / 2; cc += 16) {  // 32 dimensions (16 pairs) a product
         _tile_loadd(1, q2[h] + cc, D / 2 * 4);
         _tile_loadd(2, kt + cc * KB + x * VW, KB * 4);
         _tile_dpbf16ps(0, 1, 2);
+        if (pair) {
+          _tile_loadd(7, kt + cc * KB + (x + 1) * VW, KB * 4);
+          _tile_dpbf16ps(4, 1, 7);
+        }
+        if (two) {
+          _tile_loadd(6, q2[h + 16] + cc, D / 2 * 4);
+          _tile_dpbf16ps(3, 6, 2);
+          if (pair) _tile_dpbf16ps(5, 6, 7);
+        }
       }
       _tile_stored(0, s[h] + x * VW, KB * 4);
+      if (pair) _tile_stored(4, s[h] + (x + 1) * VW, KB * 4);
+      if (two) {
+        _tile_stored(3, s[h + 16] + x * VW, KB * 4);
+        if (pair) _tile_stored(5, s[h + 16] + (x + 1) * VW, KB * 4);
+      }
     }
+  }
 }
 
 // acc[r] = acc[r] * alpha[r] + p2[r][0:np] . v2[0:np] for rows [0, rows) (a multiple of 16); np rounded up to 16
-// pairs (p2's weights there are zeros, and v2's pairs zeros past the keys)
+// pairs (p2's weights there are zeros, and v2's pairs zeros past the keys). Tiles: outputs 0 (rows h, dimensions g),
+// 3 (h, g+16), 4 (h+16, g), 5 (h+16, g+16); weights 1 (rows h), 6 (h+16); values 2 (dimensions g), 7 (g+16)
 template <int64_t D>
 inline void accumulate_amx(float (*acc)[D], const uint32_t* vt, const uint32_t (*p2)[KB / 2], const float* alpha,
                            int64_t rows, int64_t np) {
@@ -569,16 +594,36 @@ inline void accumulate_amx(float (*acc)[D], const uint32_t* vt, const uint32_t (
     const __m512 a = _mm512_set1_ps(alpha[r]);
     for (int64_t x = 0; x < D; x += VW) _mm512_store_ps(acc[r] + x, _mm512_mul_ps(_mm512_load_ps(acc[r] + x), a));
   }
-  for (int64_t h = 0; h < rows; h += 16)
-    for (int64_t g = 0; g < D; g += 16) {
+  static_assert(D % 32 == 0, "dimensions are taken 32 at a time");
+  for (int64_t h = 0; h < rows; h += 32) {
+    const bool two = h + 16 < rows;
+    for (int64_t g = 0; g < D; g += 32) {
       _tile_loadd(0, acc[h] + g, D * 4);
+      _tile_loadd(3, acc[h] + g + 16, D * 4);
+      if (two) {
+        _tile_loadd(4, acc[h + 16] + g, D * 4);
+        _tile_loadd(5, acc[h + 16] + g + 16, D * 4);
+      }
       for (int64_t j = 0; j < np; j += 16) {  // 16 pairs of keys a product
         _tile_loadd(1, p2[h] + j, KB / 2 * 4);
         _tile_loadd(2, vt + j * D + g, D * 4);
+        _tile_loadd(7, vt + j * D + g + 16, D * 4);
         _tile_dpbf16ps(0, 1, 2);
+        _tile_dpbf16ps(3, 1, 7);
+        if (two) {
+          _tile_loadd(6, p2[h + 16] + j, KB / 2 * 4);
+          _tile_dpbf16ps(4, 6, 2);
+          _tile_dpbf16ps(5, 6, 7);
+        }
       }
       _tile_stored(0, acc[h] + g, D * 4);
+      _tile_stored(3, acc[h] + g + 16, D * 4);
+      if (two) {
+        _tile_stored(4, acc[h + 16] + g, D * 4);
+        _tile_stored(5, acc[h + 16] + g + 16, D * 4);
+      }
     }
+  }
 }
 #endif
 
