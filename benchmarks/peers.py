@@ -265,7 +265,9 @@ def worker(engine: str, model: str, dtype: str, texts_file: str, out_file: str, 
         raise SystemExit(f"unknown engine {engine}")
     seconds, vectors = {}, {}
     for name in TIMED:
-        run(texts[name][:64])  # warm up every path once
+        # warm up every path once, on texts that differ from the timed ones from their first token: vLLM caches the
+        # prefixes of decoder (causal) models, and timed texts it had seen would cost it their last token only
+        run([f"warm up {i}: {t}" for i, t in enumerate(texts[name][:64])])
         t0 = time.perf_counter()
         v = run(texts[name])
         seconds[name] = time.perf_counter() - t0

@@ -5,6 +5,19 @@
 //   in float32 (two passes over the row while it sits in L1), float32 out: what `norm(x + residual)` computes after
 //   PyTorch's type promotion, without its separate cast, add and norm passes.
 //
+// add_rms_norm: RMSNorm(x + residual) * weight for pre-norm decoders (Llama, Qwen2/3, Mistral; and Qwen3's per-head q/k
+//   norms): x and the residual float32 or bfloat16 alike, the weight either; the sum rounded to x's dtype (the new
+//   residual, written when a residual is given), its mean square in float32, the normalized row rounded to x's dtype,
+//   then scaled by the weight in the promoted dtype: what the reference modules compute, in two passes over a row
+//   while it sits in L1 instead of PyTorch's seven. x may be a strided view ([A, B, n], the last dimension
+//   contiguous: a slice of a fused q|k|v projection's output, per head).
+// silu_mul: SiLU(gate) * up for gated MLPs (SwiGLU), gate and up the two halves of a fused gate|up projection's
+//   output, float32 or bfloat16: the SiLU rounded to the dtype, then the product, as `act(gate) * up` computes it, in
+//   one pass instead of three.
+// rotary: rotary position embedding, half-split (feature i pairs with i + d/2), of x [T, H, d] (a strided view,
+//   its last dimension contiguous) by per-token tables cos, sin [T, d], all float32 or all bfloat16: each product
+//   and the sum rounded to the dtype as `x * cos + rotate_half(x) * sin` computes them, in one pass instead of six.
+//
 // The elementwise halves of WDE's int8 linear layer (wde/components/models/int8_linear.py):
 //
 // quantize_rows: x [rows, k] (float32 or bfloat16), times an optional per-channel factor (SmoothQuant's 1/s), is
@@ -587,8 +600,202 @@ std::vector<at::Tensor> dequantize_add_layer_norm_quantize_(
   return {q, s2, z2};
 }
 
+// ---- pre-norm decoders: add + RMSNorm, SiLU * up ----
+
+// x rounded to bfloat16 and back (nearest even; a NaN stays a NaN): what storing a float result in a bf16 tensor does
+inline vf vround_bf16(vf x) {
+  vu w;
+  __builtin_memcpy(&w, &x, sizeof w);
+  const vu rounded = ((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16) << 16;
+  const vu bits = x != x ? w | 0x400000u : rounded;
+  vf out;
+  __builtin_memcpy(&out, &bits, sizeof out);
+  return out;
+}
+template <typename T> inline vf as_dtype(vf x) {
+  if constexpr (std::is_same_v<T, float>) return x; else return vround_bf16(x);
+}
+template <typename T> inline float as_dtype1(float x) { return static_cast<float>(static_cast<T>(x)); }
+
+// one row: h = T(x + r) (written to hr where r is given), y = T(h * rsqrt(mean(h^2) + eps)), out = O(w * y)
+template <typename T, typename W, typename O>
+inline void rms_row(const T* xr, const T* rr, const W* w, float eps, int64_t n, O* out, T* hr) {
+  vf sq = {};
+  float sqt = 0.f;
+  int64_t c = 0;
+  for (; c + VW <= n; c += VW) {
+    vf h = vload(xr + c);
+    if (rr) {
+      h = as_dtype<T>(h + vload(rr + c));
+      vstore(hr + c, h);
+    }
+    sq += h * h;
+  }
+  for (; c < n; ++c) {
+    float h = static_cast<float>(xr[c]);
+    if (rr) {
+      h = as_dtype1<T>(h + static_cast<float>(rr[c]));
+      hr[c] = static_cast<T>(h);
+    }
+    sqt += h * h;
+  }
+  for (int64_t i = 0; i < VW; ++i) sqt += sq[i];
+  const float r = 1.f / std::sqrt(sqt / static_cast<float>(n) + eps);
+  const T* src = rr ? hr : xr;
+  for (c = 0; c + VW <= n; c += VW) {
+    vf y = as_dtype<T>(vload(src + c) * r) * vload(w + c);
+    vstore(out + c, as_dtype<O>(y));
+  }
+  for (; c < n; ++c) {
+    const float y = as_dtype1<T>(static_cast<float>(src[c]) * r) * static_cast<float>(w[c]);
+    out[c] = static_cast<O>(y);
+  }
+}
+
+template <typename T, typename W, typename O>
+void add_rms_norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+                       float eps, at::Tensor& out, c10::optional<at::Tensor>& h) {
+  const int64_t a = x.size(0), b = x.size(1), n = x.size(2);
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1);
+  const T* xp = x.data_ptr<T>();
+  const T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  const int64_t rs0 = residual ? residual->stride(0) : 0, rs1 = residual ? residual->stride(1) : 0;
+  T* hp = h ? h->data_ptr<T>() : nullptr;
+  const W* wp = weight.data_ptr<W>();
+  O* op = out.data_ptr<O>();
+  at::parallel_for(0, a * b, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t ia = i / b, ib = i % b;
+      rms_row<T, W, O>(xp + ia * xs0 + ib * xs1, rp ? rp + ia * rs0 + ib * rs1 : nullptr, wp, eps, n, op + i * n,
+                       hp ? hp + i * n : nullptr);
+    }
+  });
+}
+
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                     const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1, "cpu_ops: x must be a CPU [A, B, n] tensor"
+              " whose last dimension is contiguous");
+  const auto t = x.scalar_type(), wt = weight.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, "cpu_ops: x must be float32 or bfloat16");
+  TORCH_CHECK((wt == at::kFloat || wt == at::kBFloat16) && weight.is_contiguous() && weight.numel() == x.size(2),
+              "cpu_ops: the weight must be a contiguous float32 or bfloat16 [n]");
+  if (residual) {
+    TORCH_CHECK(residual->scalar_type() == t && residual->sizes() == x.sizes() && residual->stride(2) == 1,
+                "cpu_ops: the residual must have x's dtype and shape");
+  }
+  const auto ot = (t == at::kBFloat16 && wt == at::kBFloat16) ? at::kBFloat16 : at::kFloat;
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(ot));
+  c10::optional<at::Tensor> h;
+  if (residual) h = at::empty(x.sizes(), x.options());
+  const float e = static_cast<float>(eps);
+  if (t == at::kFloat) {
+    if (wt == at::kFloat) add_rms_norm_impl<float, float, float>(x, residual, weight, e, out, h);
+    else add_rms_norm_impl<float, c10::BFloat16, float>(x, residual, weight, e, out, h);
+  } else if (wt == at::kFloat) {
+    add_rms_norm_impl<c10::BFloat16, float, float>(x, residual, weight, e, out, h);
+  } else {
+    add_rms_norm_impl<c10::BFloat16, c10::BFloat16, c10::BFloat16>(x, residual, weight, e, out, h);
+  }
+  if (h) return {out, *h};
+  return {out};
+}
+
+// out = T(T(x * cos) + T(rotate_half(x) * sin)), rotate_half(x) = (-x[d/2:], x[:d/2])
+template <typename T>
+void rotary_impl(const at::Tensor& x, const T* cp, const T* sp, int64_t cs, at::Tensor& out) {
+  const int64_t t = x.size(0), h = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, t * h, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t it = i / h, ih = i % h;
+      const T* xr = xp + it * s0 + ih * s1;
+      const T* c = cp + it * cs;
+      const T* sn = sp + it * cs;
+      T* o = op + i * d;
+      int64_t j = 0;
+      if (half % VW == 0) {
+        for (; j < half; j += VW) {
+          const vf a = vload(xr + j), b = vload(xr + half + j);
+          vstore(o + j, as_dtype<T>(as_dtype<T>(a * vload(c + j)) + as_dtype<T>(-b * vload(sn + j))));
+          vstore(o + half + j,
+                 as_dtype<T>(as_dtype<T>(b * vload(c + half + j)) + as_dtype<T>(a * vload(sn + half + j))));
+        }
+      }
+      for (; j < half; ++j) {
+        const float a = static_cast<float>(xr[j]), b = static_cast<float>(xr[half + j]);
+        o[j] = static_cast<T>(as_dtype1<T>(a * static_cast<float>(c[j])) +
+                              as_dtype1<T>(-b * static_cast<float>(sn[j])));
+        o[half + j] = static_cast<T>(as_dtype1<T>(b * static_cast<float>(c[half + j])) +
+                                     as_dtype1<T>(a * static_cast<float>(sn[half + j])));
+      }
+    }
+  });
+}
+
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "cpu_ops: x must be a CPU [T, H, d] tensor, d even, its last dimension contiguous");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.strides() == sin.strides() && cos.size(0) == x.size(0)
+              && cos.size(1) == x.size(2) && cos.stride(1) == 1, "cpu_ops: cos and sin must be [T, d] like x");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cpu_ops: x, cos and sin must have one dtype");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.scalar_type() == at::kFloat) {
+    rotary_impl<float>(x, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0), out);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    rotary_impl<c10::BFloat16>(x, cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(), cos.stride(0), out);
+  } else {
+    TORCH_CHECK(false, "cpu_ops: x must be float32 or bfloat16");
+  }
+  return out;
+}
+
+// silu(g) = g / (1 + e^-g), rounded to T, times u, rounded to T
+template <typename T>
+void silu_mul_impl(const T* gu, int64_t rows, int64_t m, int64_t stride, T* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * stride;
+      const T* u = g + m;
+      T* o = out + r * m;
+      int64_t c = 0;
+      for (; c + VW <= m; c += VW) {
+        const vf x = vload(g + c);
+        const vf s = as_dtype<T>(x * vrcp(1.f + vexp(-x)));
+        vstore(o + c, as_dtype<T>(s * vload(u + c)));
+      }
+      for (; c < m; ++c) {
+        const float x = static_cast<float>(g[c]);
+        const float s = as_dtype1<T>(x / (1.f + std::exp(-x)));
+        o[c] = static_cast<T>(s * static_cast<float>(u[c]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "cpu_ops: gate_up must be a CPU [rows, 2m] tensor whose rows are contiguous");
+  const int64_t rows = gate_up.size(0), m = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, m}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_mul_impl(gate_up.data_ptr<float>(), rows, m, gate_up.stride(0), out.data_ptr<float>());
+  } else if (gate_up.scalar_type() == at::kBFloat16) {
+    silu_mul_impl(gate_up.data_ptr<c10::BFloat16>(), rows, m, gate_up.stride(0), out.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(false, "cpu_ops: gate_up must be float32 or bfloat16");
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_layer_norm", &add_layer_norm, "LayerNorm(x + residual), float32 out (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "RMSNorm(x + residual) * weight, and x + residual when given (CPU)");
+  m.def("rotary", &rotary, "half-split rotary embedding of [T, H, d] by [T, d] tables (CPU)");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused gate|up output (CPU)");
   m.def("quantize_rows", &quantize_rows, "per-row asymmetric u8 quantization (CPU)");
   m.def("dequantize_rows_", &dequantize_rows_, "per-row dequantization, bias and activation, in place (CPU)");
   m.def("dequantize_rows_bf16_", &dequantize_rows_bf16_,

@@ -146,9 +146,10 @@ def test_a_new_build_removes_those_of_environments_that_are_gone(small: Path, tm
 def test_an_engine_starts_the_builds_of_the_kernels_its_components_call() -> None:
     assert cpu_kernels(load_workflow("bert")) == ["cpu_flash", "cpu_ops"]  # auto attention; post-norm blocks
     assert cpu_kernels(load_workflow("bert", ["attention.name=torch_sdpa"])) == ["cpu_ops"]
-    assert cpu_kernels(load_workflow("gte_qwen2")) == ["cpu_flash"]  # a decoder: no add + LayerNorm
+    # a decoder: add + RMSNorm, rotary and SiLU * up
+    assert cpu_kernels(load_workflow("gte_qwen2")) == ["cpu_flash", "cpu_ops"]
     assert cpu_kernels(load_workflow("gte_qwen2", ["model.params.quantization=int8"])) == ["cpu_flash", "cpu_ops"]
-    assert cpu_kernels(load_workflow("gte_qwen2", ["attention.name=cpu_varlen"])) == []
+    assert cpu_kernels(load_workflow("gte_qwen2", ["attention.name=cpu_varlen"])) == ["cpu_ops"]
 
 
 def test_start_builds_skips_what_is_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:

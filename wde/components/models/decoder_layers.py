@@ -18,7 +18,7 @@ from wde.components.attention.base import AttentionBackend, AttentionMetadata
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.base import PrefillModel
-from wde.components.models.fused import add_rms_norm
+from wde.components.models.fused import add_rms_norm, silu_mul
 from wde.components.models.loader import fused_linear
 from wde.components.models.rotary import STATIC_ROPE_TYPES, RotaryEmbedding, apply_rotary  # noqa: F401 (re-exported)
 from wde.errors import ModelLoadError
@@ -75,8 +75,7 @@ class GatedMLP(nn.Module):
         self.act = ACT2FN[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x), self.act))
 
 
 class DecoderLayer(nn.Module):
@@ -127,6 +126,7 @@ class DecoderModel(PrefillModel):
         "mlp.up_proj": ("mlp.gate_up_proj", 1),
     }
     default_causal = True
+    uses_cpu_ops = True  # add + RMSNorm, rotary and SiLU * up (kernels/cpu_ops.cpp), built at load on CPU
     lora_embedding_modules = ("embed_tokens",)
     layer_cls: ClassVar[type[DecoderLayer]] = DecoderLayer
 

@@ -70,9 +70,53 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         from wde.kernels.fused_norm import add_rms_norm as fused
 
         return fused(x, residual, weight, eps)
+    if cpu_rms_fusable(x, residual, weight):
+        from wde.kernels.cpp_build import cpu_ops
+
+        kernel = cpu_ops()
+        if kernel is not None:
+            n = x.shape[-1]
+            view = x.unsqueeze(1) if x.dim() == 2 else x
+            rest = None if residual is None else residual.unsqueeze(1) if residual.dim() == 2 else residual
+            got = kernel.add_rms_norm(view, rest, weight, eps)
+            return got[0].view(x.shape), (x if residual is None else got[1].view(x.shape))
     h = x if residual is None else x + residual
     hf = h.float()
     return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype), h
+
+
+def cpu_rms_fusable(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """Whether `add_rms_norm`'s CPU kernel computes what its torch path would here: x 2-d or 3-d with its last
+    dimension contiguous, float32 or bfloat16, the residual of x's dtype and shape, the weight float32 or bfloat16
+    (inference)."""
+    lowp = (torch.float32, torch.bfloat16)
+    return (x.device.type == "cpu" and x.dtype in lowp and x.dim() in (2, 3) and x.stride(-1) == 1
+            and weight.dtype in lowp and weight.dim() == 1 and weight.shape[0] == x.shape[-1]
+            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
+                                      and residual.stride(-1) == 1))
+            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight))))
+
+
+def silu_mul(gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
+    """`act(gate) * up` of a fused gate|up projection's output [rows, 2m] (SwiGLU): one pass in the C++ kernel on CPU
+    where `act` is SiLU, else the torch ops."""
+    m = gate_up.shape[-1] // 2
+    if (gate_up.device.type == "cpu" and _is_silu(act) and gate_up.dtype in (torch.float32, torch.bfloat16)
+            and gate_up.stride(-1) == 1 and not (torch.is_grad_enabled() and gate_up.requires_grad)):
+        from wde.kernels.cpp_build import cpu_ops
+
+        kernel = cpu_ops()
+        if kernel is not None:
+            flat = gate_up.reshape(-1, 2 * m)
+            return kernel.silu_mul(flat).view(*gate_up.shape[:-1], m)
+    gate, up = gate_up.split(m, dim=-1)
+    return act(gate) * up
+
+
+def _is_silu(act: nn.Module) -> bool:
+    """torch's SiLU module, or transformers' (`ACT2FN["silu"]`, which calls `nn.functional.silu`)."""
+    kind = type(act)
+    return kind is nn.SiLU or (kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations")
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:

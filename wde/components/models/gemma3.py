@@ -125,6 +125,7 @@ class Gemma3TextModel(PrefillModel):
     (no backend caps scores) and layer kinds other than full / sliding attention, by name."""
 
     name = "gemma3"
+    uses_cpu_ops = True  # rotary (kernels/cpu_ops.cpp), built at load on CPU
     checkpoint_prefixes = ("model.",)
     packed_modules_mapping = DecoderModel.packed_modules_mapping  # the same fused q|k|v and gate|up
     uses_attention_window = True

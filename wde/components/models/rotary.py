@@ -124,9 +124,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     `rotary_dim < head_dim` only the first `rotary_dim` features rotate; the others are returned unchanged.
     """
     d = cos.shape[-1]
+    if not interleaved and d == x.shape[-1] and _cpu_rotary_fits(x, cos, sin):
+        from wde.kernels.cpp_build import cpu_ops
+
+        kernel = cpu_ops()
+        if kernel is not None:  # one pass instead of six (kernels/cpu_ops.cpp), the same roundings
+            return kernel.rotary(x, cos.reshape(cos.shape[0], d), sin.reshape(sin.shape[0], d))
     if d < x.shape[-1]:
         return torch.cat((_rotate(x[..., :d], cos, sin, interleaved), x[..., d:]), dim=-1)
     return _rotate(x, cos, sin, interleaved)
+
+
+def _cpu_rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the C++ kernel takes this call: CPU, x [tokens, heads, d] with its last dimension contiguous, cos and
+    sin [tokens, 1, d] of x's dtype (float32 or bfloat16), inference."""
+    return (x.device.type == "cpu" and x.dim() == 3 and x.stride(-1) == 1 and x.dtype in (torch.float32, torch.bfloat16)
+            and cos.dtype == x.dtype and sin.dtype == x.dtype and cos.dim() == 3 and cos.shape[1] == 1
+            and cos.shape == sin.shape and cos.shape[0] == x.shape[0] and cos.stride(-1) == 1 and sin.stride(-1) == 1
+            and not (torch.is_grad_enabled() and x.requires_grad))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
