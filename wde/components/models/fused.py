@@ -75,7 +75,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
         kernel = cpu_ops()
         if kernel is not None:
-            n = x.shape[-1]
             view = x.unsqueeze(1) if x.dim() == 2 else x
             rest = None if residual is None else residual.unsqueeze(1) if residual.dim() == 2 else residual
             got = kernel.add_rms_norm(view, rest, weight, eps)
