@@ -28,12 +28,13 @@ import re
 import socket
 import statistics
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import numpy as np
 
+from soak import tree
 from workload import sentences
 
 def default_model() -> str:
@@ -156,24 +157,6 @@ async def load(url: str, texts: list[str], clients: int, per_request: int = 1) -
     return LoadResult(time.perf_counter() - start, latencies, failures, inputs=len(latencies) * per_request)
 
 
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every process under it (Linux /proc; [] elsewhere)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):  # gone meanwhile
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        if Path(f"/proc/{p}").exists():
-            found.append(p)
-        todo.extend(children.get(p, []))
-    return found
-
-
 def cpu_seconds(pids: list[int]) -> dict[int, float]:
     """User + system CPU seconds so far of each process that still runs."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -224,7 +207,7 @@ def run_server(name: str, target, args: tuple, texts: list[str], sweep: list[tup
         for clients, per_request in sweep:
             asyncio.run(load(url, texts[:clients * per_request], clients, per_request))  # warm-up
             before = counters(url) if name.startswith("wde") else None
-            pids = process_tree(proc.pid)
+            pids = tree(proc.pid)  # the server and, split, its core and API servers
             cpu_before = cpu_seconds(pids)
             result = asyncio.run(load(url, texts, clients, per_request))
             cpu_after = cpu_seconds(pids)

@@ -79,13 +79,24 @@ inline vf vload(const c10::BFloat16* p) {  // bf16 -> float: the 16 bits become 
   return x;
 }
 inline void vstore(float* p, vf x) { __builtin_memcpy(p, &x, sizeof x); }
-// float -> bf16 rounded to nearest even, a NaN kept a (quiet) NaN: what vcvtneps2bf16 and c10::BFloat16(float) give
-// (the rounding carry alone would take a NaN whose low mantissa bits are all set to -0 or an infinity)
-inline void vstore(c10::BFloat16* p, vf x) {
+// x rounded to bfloat16 and back: nearest even, a NaN kept a (quiet) NaN, what vcvtneps2bf16 and
+// c10::BFloat16(float) give (the rounding carry alone would take a NaN whose low mantissa bits are all set to -0 or
+// an infinity); the bf16 value is the high half of each lane
+inline vf vround_bf16(vf x) {
   vu w;
   __builtin_memcpy(&w, &x, sizeof w);
-  const vu rounded = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
-  const vh h = __builtin_convertvector(x != x ? (w >> 16) | 0x40u : rounded, vh);
+  const vu rounded = ((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16) << 16;
+  const vu bits = x != x ? w | 0x400000u : rounded;
+  vf out;
+  __builtin_memcpy(&out, &bits, sizeof out);
+  return out;
+}
+// float -> bf16, rounded as vround_bf16
+inline void vstore(c10::BFloat16* p, vf x) {
+  const vf r = vround_bf16(x);
+  vu w;
+  __builtin_memcpy(&w, &r, sizeof w);
+  const vh h = __builtin_convertvector(w >> 16, vh);
   __builtin_memcpy(p, &h, sizeof h);
 }
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
@@ -602,16 +613,7 @@ std::vector<at::Tensor> dequantize_add_layer_norm_quantize_(
 
 // ---- pre-norm decoders: add + RMSNorm, SiLU * up ----
 
-// x rounded to bfloat16 and back (nearest even; a NaN stays a NaN): what storing a float result in a bf16 tensor does
-inline vf vround_bf16(vf x) {
-  vu w;
-  __builtin_memcpy(&w, &x, sizeof w);
-  const vu rounded = ((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16) << 16;
-  const vu bits = x != x ? w | 0x400000u : rounded;
-  vf out;
-  __builtin_memcpy(&out, &bits, sizeof out);
-  return out;
-}
+// x rounded to T and back: what storing a float result in a T tensor does
 template <typename T> inline vf as_dtype(vf x) {
   if constexpr (std::is_same_v<T, float>) return x; else return vround_bf16(x);
 }
