@@ -87,12 +87,12 @@ class ModernBertClassificationHead(nn.Module):
 
     def __init__(self, cfg: object) -> None:
         super().__init__()
-        from transformers.activations import ACT2FN
+        from wde.components.models.activations import activation
 
         self.head = nn.Module()
         self.head.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.classifier_bias)
         self.head.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.norm_bias)
-        self.act = ACT2FN[cfg.classifier_activation]
+        self.act = activation(cfg.classifier_activation)
         self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels)
         if cfg.classifier_pooling not in ("cls", "mean"):
             raise ModelLoadError(f"classifier_pooling {cfg.classifier_pooling!r} is not implemented (cls, mean)")
@@ -115,7 +115,7 @@ class DebertaV2ClassificationHead(nn.Module):
 
     def __init__(self, cfg: object) -> None:
         super().__init__()
-        from transformers.activations import ACT2FN
+        from wde.components.models.activations import activation
 
         hidden = int(cfg.hidden_size)
         pooler_size = int(getattr(cfg, "pooler_hidden_size", None) or hidden)
@@ -123,7 +123,7 @@ class DebertaV2ClassificationHead(nn.Module):
             raise ModelLoadError(f"DeBERTa-v2 config pooler_hidden_size {pooler_size} != hidden_size {hidden}:"
                                  " transformers' ContextPooler reads the first token's hidden state with it")
         self.pooler = _Dense(hidden)
-        self.act = ACT2FN[getattr(cfg, "pooler_hidden_act", "gelu") or "gelu"]
+        self.act = activation(getattr(cfg, "pooler_hidden_act", "gelu") or "gelu")
         self.classifier = nn.Linear(hidden, int(cfg.num_labels))
 
     @classmethod

@@ -11,10 +11,10 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from wde.components.attention.base import AttentionBackend, AttentionMetadata, Window
 from wde.components.model_input_builder import ModelInput
+from wde.components.models.activations import activation
 from wde.components.models.base import PrefillModel
 from wde.components.models.decoder_layers import RMSNorm
 from wde.components.models.fused import linear_add_layer_norm
@@ -131,7 +131,7 @@ class BertIntermediate(nn.Module):
             self.dense = fused_linear(cfg.hidden_size, [self.size] * 2, bias=bias)
         else:
             self.dense = nn.Linear(cfg.hidden_size, self.size, bias=bias)
-        self.act = ACT2FN[act or cfg.hidden_act]
+        self.act = activation(act or cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
+from wde.components.models.activations import activation
 from wde.components.models.bert import BertModel
 
 
@@ -22,7 +22,7 @@ class BertPredictionHeadTransform(nn.Module):
     def __init__(self, cfg: object) -> None:
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.transform_act_fn = ACT2FN[cfg.hidden_act]
+        self.transform_act_fn = activation(cfg.hidden_act)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,8 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from transformers.activations import GELUActivation, GELUTanh, NewGELUActivation
 
+from wde.components.models.activations import GELUActivation, GELUTanh, NewGELUActivation
 from wde.components.models.mixed_precision import CastLinear
 from wde.components.params import CpuLinear  # the choice lives with ModelParams, torch-free
 
@@ -111,7 +111,9 @@ _POST_OPS: dict[type[nn.Module], tuple[str, str]] = {
     nn.ReLU: ("relu", ""),
 }
 """Activation modules oneDNN can apply as a post-op of the linear before them: (attr, algorithm). `nn.GELU` is
-mapped from its `approximate` attribute."""
+mapped from its `approximate` attribute, and transformers' classes of the same names (a plugin's module may bring
+them) by their names, so that this never imports transformers' activations module (wde/components/models/
+activations.py says why)."""
 
 
 _LINEARS = (nn.Linear, CastLinear)
@@ -209,9 +211,12 @@ class PackedLinear(nn.Module):
 
 def post_op_for(act: nn.Module) -> tuple[str, str] | None:
     """The oneDNN post-op computing `act`, or None when it is not one we fuse."""
-    if type(act) is nn.GELU:
+    kind = type(act)
+    if kind is nn.GELU:
         return ("gelu", "tanh" if act.approximate == "tanh" else "none")
-    return _POST_OPS.get(type(act))
+    if kind.__module__ == "transformers.activations":
+        return next((op for ours, op in _POST_OPS.items() if ours.__name__ == kind.__name__), None)
+    return _POST_OPS.get(kind)
 
 
 def dense_act_pair(module: nn.Module, linears: tuple[type[nn.Module], ...] = _LINEARS,

@@ -37,10 +37,10 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from wde.components.attention.base import AttentionBackend, AttentionMetadata
 from wde.components.model_input_builder import ModelInput
+from wde.components.models.activations import activation
 from wde.components.models.bert import BertIntermediate, BertModel, BertSelfOutput
 from wde.components.models.loader import fused_linear
 from wde.errors import ModelLoadError
@@ -331,7 +331,7 @@ class DebertaV2Conv(nn.Module):
                                  f" {cfg.hidden_size}")
         self.conv = nn.Conv1d(cfg.hidden_size, cfg.hidden_size, size, padding=(size - 1) // 2, groups=groups)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.act = ACT2FN[getattr(cfg, "conv_act", "tanh") or "tanh"]
+        self.act = activation(getattr(cfg, "conv_act", "tanh") or "tanh")
 
     def forward(self, embeddings: torch.Tensor, residual: torch.Tensor, ctx: DebertaBatch) -> torch.Tensor:
         outs = []

@@ -12,11 +12,11 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from wde.components.attention.base import AttentionBackend, AttentionMetadata
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
+from wde.components.models.activations import activation
 from wde.components.models.base import PrefillModel
 from wde.components.models.fused import add_rms_norm, silu_mul
 from wde.components.models.loader import fused_linear
@@ -72,7 +72,7 @@ class GatedMLP(nn.Module):
         self.intermediate_size = int(cfg.intermediate_size)
         self.gate_up_proj = fused_linear(cfg.hidden_size, [self.intermediate_size] * 2, bias=bias)
         self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=bias)
-        self.act = ACT2FN[cfg.hidden_act]
+        self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x), self.act))

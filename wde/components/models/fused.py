@@ -113,9 +113,11 @@ def silu_mul(gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
 
 
 def _is_silu(act: nn.Module) -> bool:
-    """torch's SiLU module, or transformers' (`ACT2FN["silu"]`, which calls `nn.functional.silu`)."""
+    """torch's SiLU module, WDE's `activation("silu")`, or transformers' (`ACT2FN["silu"]`); all three call
+    `nn.functional.silu`. Matched by name: importing either activations module here would be a cycle or slow."""
     kind = type(act)
-    return kind is nn.SiLU or (kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations")
+    return kind is nn.SiLU or (kind.__name__ == "SiLUActivation"
+                               and kind.__module__ in ("transformers.activations", "wde.components.models.activations"))
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:

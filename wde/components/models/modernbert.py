@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from wde.components.attention.base import AttentionBackend, AttentionMetadata, Window
 from wde.components.model_input_builder import ModelInput
+from wde.components.models.activations import activation
 from wde.components.models.bert import BertAttention, BertModel
 from wde.components.models.loader import fused_linear
 from wde.components.models.rotary import RotaryEmbedding
@@ -43,7 +43,7 @@ class ModernBertMLP(nn.Module):
         super().__init__()
         self.size = int(cfg.intermediate_size)
         self.Wi = fused_linear(cfg.hidden_size, [self.size] * 2, bias=cfg.mlp_bias)
-        self.act = ACT2FN[cfg.hidden_activation]
+        self.act = activation(cfg.hidden_activation)
         self.Wo = nn.Linear(self.size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,11 +14,11 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from wde.components.attention.base import AttentionBackend, AttentionMetadata
 from wde.components.base import BuildContext
 from wde.components.model_input_builder import ModelInput
+from wde.components.models.activations import activation
 from wde.components.models.base import PrefillModel
 from wde.components.models.bert import BertEmbeddings
 from wde.components.models.decoder_layers import DecoderAttention, DecoderModel
@@ -39,7 +39,7 @@ class EncoderGatedMLP(nn.Module):
         self._fused = "up_gate_proj" if up_first else "gate_up_proj"
         setattr(self, self._fused, fused_linear(cfg.hidden_size, [self.size] * 2, bias=gate_up_bias))
         self.down_proj = nn.Linear(self.size, cfg.hidden_size, bias=down_bias)
-        self.act = ACT2FN[cfg.hidden_act]
+        self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = getattr(self, self._fused)(x).split(self.size, dim=-1)
