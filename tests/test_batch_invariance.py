@@ -70,13 +70,51 @@ def test_minilm_alone_equals_batched_under_a_tiny_budget(minilm_path: Path) -> N
     assert np.abs(alone - together[:5]).max() <= TOLERANCE
 
 
-def test_auto_token_budget_fits_the_longest_input(minilm_engine) -> None:
+def test_auto_token_budget_admits_the_longest_input(minilm_engine) -> None:
     from wde.components.scheduler import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET
     from wde.device import default_device
 
     default = GPU_TOKEN_BUDGET if default_device().type == "cuda" else CPU_TOKEN_BUDGET
     assert minilm_engine.scheduler.params.max_num_batched_tokens == "auto"
-    assert minilm_engine.scheduler.token_budget == max(default, minilm_engine.max_length)
+    assert minilm_engine.scheduler.token_budget == default
+    assert minilm_engine.longest_input == max(default, minilm_engine.max_length)
+
+
+def test_a_long_context_model_keeps_the_batch_budget_and_runs_a_longer_input_alone(tmp_path: Path) -> None:
+    """A model whose inputs may be longer than the default budget (Qwen3-Embedding: 32,768 tokens) keeps batches at
+    the budget: an input longer than it runs in a batch of its own, the others around it in batches within it, and
+    every vector is what the input gives alone."""
+    import json
+
+    from tests.tiny_models import build_bert
+
+    folder = build_bert(tmp_path / "long", max_position_embeddings=4096)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 4096}))
+    with Engine.from_workflow("bert", folder, pooler=POOLING) as engine:
+        budget = engine.scheduler.token_budget
+        assert engine.max_length == engine.longest_input == 4096 > budget
+        batches: list[list[int]] = []
+        schedule = engine.scheduler.schedule
+
+        def recorded():  # noqa: ANN202
+            out = schedule()
+            if out.scheduled:
+                batches.append([s.num_tokens for s in out.scheduled])
+            return out
+
+        engine.scheduler.schedule = recorded
+        long_text = " ".join(TEXTS[:400])
+        texts = TEXTS[:150] + [long_text] + TEXTS[150:300]
+        together = engine.embed(texts, truncate=True)
+        engine.scheduler.schedule = schedule
+        assert any(len(b) == 1 and b[0] > budget for b in batches), batches
+        assert all(sum(b) <= budget for b in batches if len(b) > 1), batches
+        assert max(max(b) for b in batches) <= 4096
+        picks = [0, 149, 150, 151, 300]
+        alone = np.stack([engine.embed(texts[i], truncate=True) for i in picks])
+    diff = np.abs(alone - together[picks]).max()
+    assert diff <= TOLERANCE, f"max abs diff {diff:.2e}"
 
 
 def test_requests_asking_different_dimensions_share_a_batch(minilm_engine: Engine) -> None:

@@ -617,9 +617,14 @@ class Engine:
         out, = self.encode([doc.token_ids], doc.params)
         return doc.chunks(out)
 
+    @property
+    def longest_input(self) -> int:
+        """The longest input the scheduler admits (`Scheduler.longest_input`, else its token budget)."""
+        return self.scheduler.longest_input or self.scheduler.token_budget
+
     def _token_limit(self) -> int:
-        """The most tokens one input may have: the model's, or the scheduler's budget where it is smaller."""
-        return min(self.max_length, self.scheduler.token_budget)
+        """The most tokens one input may have: the model's, or the scheduler's limit where it is smaller."""
+        return min(self.max_length, self.longest_input)
 
     def close(self) -> None:
         self.executor.shutdown()

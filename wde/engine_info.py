@@ -20,7 +20,9 @@ class EngineInfo:
     max_length: int
     """Longest input in tokens."""
     token_budget: int | None
-    """Tokens in one batch at most (the scheduler's budget)."""
+    """Tokens in one batch at most (the scheduler's budget), but for a batch of one longer input."""
+    longest_input: int | None
+    """The longest input the scheduler admits, in tokens (its `longest_input`, else its budget)."""
     max_num_requests: int | None
     """Requests in one batch at most."""
     dense_size: int | None
@@ -59,6 +61,7 @@ class EngineInfo:
             outputs=tuple(engine.supported_outputs),
             max_length=engine.max_length,
             token_budget=engine.scheduler.token_budget,
+            longest_input=engine.longest_input,
             max_num_requests=engine.scheduler.max_num_requests,
             dense_size=engine.dense_size,
             labels=tuple(str(x) for x in labels),

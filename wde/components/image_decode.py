@@ -50,7 +50,7 @@ class ImageDecoder:
         workflow that takes texts only."""
         if not engine.input_processor.takes_images:
             return None
-        return cls(engine.components["request_processor"], engine.scheduler.token_budget)
+        return cls(engine.components["request_processor"], engine.longest_input)
 
     @staticmethod
     def wanted(requests: Sequence[Request]) -> bool:

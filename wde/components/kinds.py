@@ -106,7 +106,8 @@ class RequestProcessor(Component):
         return False
 
     def process(self, requests: Sequence[Request], token_budget: int) -> list[SchedulableRequest | RequestError]:
-        """One result per request, in order: a tokenized request or the error refusing it. Never raises."""
+        """One result per request, in order: a tokenized request or the error refusing it. Never raises.
+        `token_budget`: the longest input the scheduler admits (`Scheduler.longest_input`)."""
         raise NotImplementedError
 
 
@@ -115,7 +116,10 @@ class Scheduler(Component):
 
     kind = "scheduler"
     token_budget: int
-    """The most tokens in one batch (required)."""
+    """The most tokens in one batch (required), but for a batch of one sequence longer than that (up to
+    `longest_input`)."""
+    longest_input: int | None = None
+    """The longest input admitted, in tokens; None: `token_budget`."""
     max_num_requests: int | None = None
     """The most requests in one batch; None: only the token budget bounds it."""
     num_waiting: int = 0

@@ -32,8 +32,9 @@ BACKGROUND_POLL_S = 0.005
 
 class FCFSParams(Params):
     max_num_batched_tokens: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
-    """Token budget of one batch. auto: 16384 with a CUDA device, 2048 on CPU, and never below the model's
-    max length (so any admissible input fits a batch)."""
+    """Token budget of one batch. auto: 16384 with a CUDA device, 2048 on CPU; an input longer than that (up to the
+    model's max length) runs in a batch of its own. A number: also the longest input admitted (at most the model's
+    max length)."""
     max_num_requests: int = Field(256, gt=0, description="requests in one batch at most")
 
 
@@ -64,9 +65,17 @@ class FCFSScheduler(Scheduler):
         if budget == "auto":
             from wde.device import default_device  # imports torch: only when an engine is built
 
-            default = GPU_TOKEN_BUDGET if default_device().type == "cuda" else CPU_TOKEN_BUDGET
-            budget = max(default, ctx.request_processor.max_length)
+            budget = GPU_TOKEN_BUDGET if default_device().type == "cuda" else CPU_TOKEN_BUDGET
+            longest = max(budget, ctx.request_processor.max_length)
+        else:
+            longest = budget
         self.token_budget: int = budget
+        """Tokens of one batch; a batch of one sequence may hold up to `longest_input`."""
+        self.longest_input: int = longest
+        """The longest input admitted (the request processor rejects or chunks a longer one). Under auto it is the
+        model's max length: batches of a long-context model (Qwen3-Embedding: 32,768 tokens) stay at the CPU's
+        budget, where a 32,768-token budget ran the same texts 1.7x slower (a Qwen3-0.6B-sized model, 60 texts of
+        ~200 tokens, bf16, 2 vCPUs; docs/benchmarks.md), and a longer input runs alone."""
         self.max_num_requests: int = params.max_num_requests
         self._waiting: deque[Request] = deque()
         self._ready: deque[SchedulableRequest] = deque()
@@ -143,7 +152,7 @@ class FCFSScheduler(Scheduler):
         if self._background is None:
             self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wde-tokenize")
         self._tokenizing.append((request, self._background.submit(
-            self._request_processor.process, [request], self.token_budget)))
+            self._request_processor.process, [request], self.longest_input)))
 
     def _collect_background(self, out: SchedulerOutput, wait_s: float) -> None:
         """Move finished background tokenizations to the ready queue (waiting up to `wait_s` for one)."""
@@ -175,10 +184,10 @@ class FCFSScheduler(Scheduler):
                         self._tokenize_in_background(req)
                     else:
                         inline.append(req)
-                self._accept(inline, self._request_processor.process(inline, budget), out)
+                self._accept(inline, self._request_processor.process(inline, self.longest_input), out)
                 continue
             head = self._ready[0]
-            if tokens + head.num_tokens > budget:
+            if tokens + head.num_tokens > budget and out.scheduled:  # a longer input than the budget runs alone
                 break
             self._ready.popleft()
             if (head.chunk is None or head.chunk[0] == 0) and self._dequeued(head.request.request_id):
