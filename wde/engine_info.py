@@ -21,8 +21,8 @@ class EngineInfo:
     """Longest input in tokens."""
     token_budget: int | None
     """Tokens in one batch at most (the scheduler's budget), but for a batch of one longer input."""
-    longest_input: int | None
-    """The longest input the scheduler admits, in tokens (its `longest_input`, else its budget)."""
+    longest_input: int
+    """The longest input the scheduler admits, in tokens (`Engine.longest_input`)."""
     max_num_requests: int | None
     """Requests in one batch at most."""
     dense_size: int | None

@@ -32,7 +32,7 @@ class Frontend:
         self.tokenizer = ctx.tokenizer
         self.input_processor = ctx.input_processor
         self.request_processor = ctx.request_processor
-        self._budget = info.longest_input or info.token_budget or info.max_length
+        self._budget = info.longest_input
         self.image_workers: int = self.request_processor.workers
         """Calls holding images decoded at once (as many as the request processor's `workers`): Pillow releases the interpreter lock, so concurrent single-image calls decode in parallel."""
 

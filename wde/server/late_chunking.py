@@ -89,7 +89,7 @@ async def late_chunks(request: Request, raw: dict) -> tuple[Service, LateChunkin
     params = PoolingParams(**cut, prompt_name=body.prompt_name, dimensions=body.dimensions or None,
                            normalize=body.normalized,
                            options=svc.jina_task(body.task, body.options))
-    limit = min(svc.info.max_length, svc.info.longest_input or svc.info.token_budget or svc.info.max_length)
+    limit = min(svc.info.max_length, svc.info.longest_input)
 
     def tokenized() -> Document:
         if own_chunks:

@@ -37,10 +37,6 @@ class GELUActivation(nn.Module):
         return F.gelu(x)
 
 
-def _tanh_gelu(x: torch.Tensor) -> torch.Tensor:
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
 class GELUTanh(nn.Module):
     """"gelu_pytorch_tanh": torch's tanh-approximate GELU; "gelu_python_tanh": the same approximation spelled out."""
 
@@ -58,7 +54,7 @@ class NewGELUActivation(nn.Module):
     """"gelu_new": the tanh approximation as BERT's and GPT's original code wrote it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _tanh_gelu(x)
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
 class SiLUActivation(nn.Module):
