@@ -5,15 +5,20 @@
 //   in float32 (two passes over the row while it sits in L1), float32 out: what `norm(x + residual)` computes after
 //   PyTorch's type promotion, without its separate cast, add and norm passes.
 //
-// add_rms_norm: RMSNorm(x + residual) * weight for pre-norm decoders (Llama, Qwen2/3, Mistral; and Qwen3's per-head q/k
-//   norms): x and the residual float32 or bfloat16 alike, the weight either; the sum rounded to x's dtype (the new
-//   residual, written when a residual is given), its mean square in float32, the normalized row rounded to x's dtype,
-//   then scaled by the weight in the promoted dtype: what the reference modules compute, in two passes over a row
-//   while it sits in L1 instead of PyTorch's seven. x may be a strided view ([A, B, n], the last dimension
-//   contiguous: a slice of a fused q|k|v projection's output, per head).
+// add_rms_norm: RMSNorm(x + residual) * weight for pre-norm decoders (Llama, Qwen2/3, Mistral): x float32 or bfloat16,
+//   the residual of x's dtype or float32 (a mixed-precision model's residual stream, x a bfloat16 linear output), the
+//   weight either; the sum in the promoted dtype (the new residual, written when a residual is given), its mean
+//   square in float32, the normalized row rounded to the sum's dtype, then scaled by the weight in the promoted
+//   dtype: what the reference modules compute, in two passes over a row while it sits in L1 instead of PyTorch's
+//   seven. Optionally the output in bfloat16 below a float32 result (what the linear layer that takes it would cast
+//   it to: one rounding either way) in storage with rows to spare for the layer's padding. x may be a strided view
+//   ([A, B, n], the last dimension contiguous).
+// norm_rotary: q or k of a fused q|k|v output ([T, H, d], strided) made ready for attention in one pass over each
+//   head's row: Qwen3's per-head RMSNorm (when given a weight), the half-split rotary embedding by [T, d] tables, the
+//   cast to the attention's dtype; each step rounded as the modules that compute it in turn round it.
 // silu_mul: SiLU(gate) * up for gated MLPs (SwiGLU), gate and up the two halves of a fused gate|up projection's
 //   output, float32 or bfloat16: the SiLU rounded to the dtype, then the product, as `act(gate) * up` computes it, in
-//   one pass instead of three.
+//   one pass instead of three, into storage with rows to spare for the down projection's padding.
 // rotary: rotary position embedding, half-split (feature i pairs with i + d/2), of x [T, H, d] (a strided view,
 //   its last dimension contiguous) by per-token tables cos, sin [T, d], all float32 or all bfloat16: each product
 //   and the sum rounded to the dtype as `x * cos + rotate_half(x) * sin` computes them, in one pass instead of six.
@@ -59,6 +64,7 @@
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -619,16 +625,18 @@ template <typename T> inline vf as_dtype(vf x) {
 }
 template <typename T> inline float as_dtype1(float x) { return static_cast<float>(static_cast<T>(x)); }
 
-// one row: h = T(x + r) (written to hr where r is given), y = T(h * rsqrt(mean(h^2) + eps)), out = O(w * y)
-template <typename T, typename W, typename O>
-inline void rms_row(const T* xr, const T* rr, const W* w, float eps, int64_t n, O* out, T* hr) {
+// one row: h = H(x + r) (written to hr where r is given), y = H(h * rsqrt(mean(h^2) + eps)), out = O(w * y). H is x's
+// dtype or, for a float32 residual (mixed precision), float32; O the promoted dtype or a lower one the caller asked for
+// (the linear layer that takes the output casts to it: one rounding either way)
+template <typename X, typename H, typename W, typename O>
+inline void rms_row(const X* xr, const H* rr, const W* w, float eps, int64_t n, O* out, H* hr) {
   vf sq = {};
   float sqt = 0.f;
   int64_t c = 0;
   for (; c + VW <= n; c += VW) {
     vf h = vload(xr + c);
     if (rr) {
-      h = as_dtype<T>(h + vload(rr + c));
+      h = as_dtype<H>(h + vload(rr + c));
       vstore(hr + c, h);
     }
     sq += h * h;
@@ -636,71 +644,208 @@ inline void rms_row(const T* xr, const T* rr, const W* w, float eps, int64_t n, 
   for (; c < n; ++c) {
     float h = static_cast<float>(xr[c]);
     if (rr) {
-      h = as_dtype1<T>(h + static_cast<float>(rr[c]));
-      hr[c] = static_cast<T>(h);
+      h = as_dtype1<H>(h + static_cast<float>(rr[c]));
+      hr[c] = static_cast<H>(h);
     }
     sqt += h * h;
   }
   for (int64_t i = 0; i < VW; ++i) sqt += sq[i];
   const float r = 1.f / std::sqrt(sqt / static_cast<float>(n) + eps);
-  const T* src = rr ? hr : xr;
-  for (c = 0; c + VW <= n; c += VW) {
-    vf y = as_dtype<T>(vload(src + c) * r) * vload(w + c);
-    vstore(out + c, as_dtype<O>(y));
-  }
-  for (; c < n; ++c) {
-    const float y = as_dtype1<T>(static_cast<float>(src[c]) * r) * static_cast<float>(w[c]);
-    out[c] = static_cast<O>(y);
-  }
+  auto second = [&](const auto* src) {
+    int64_t j = 0;
+    for (; j + VW <= n; j += VW) {
+      vf y = as_dtype<H>(vload(src + j) * r) * vload(w + j);
+      vstore(out + j, as_dtype<O>(y));
+    }
+    for (; j < n; ++j) {
+      const float y = as_dtype1<H>(static_cast<float>(src[j]) * r) * static_cast<float>(w[j]);
+      out[j] = static_cast<O>(y);
+    }
+  };
+  if (rr) second(hr); else second(xr);
 }
 
-template <typename T, typename W, typename O>
+template <typename X, typename H, typename W, typename O>
 void add_rms_norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
                        float eps, at::Tensor& out, c10::optional<at::Tensor>& h) {
   const int64_t a = x.size(0), b = x.size(1), n = x.size(2);
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1);
-  const T* xp = x.data_ptr<T>();
-  const T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  const X* xp = x.data_ptr<X>();
+  const H* rp = residual ? residual->data_ptr<H>() : nullptr;
   const int64_t rs0 = residual ? residual->stride(0) : 0, rs1 = residual ? residual->stride(1) : 0;
-  T* hp = h ? h->data_ptr<T>() : nullptr;
+  H* hp = h ? h->data_ptr<H>() : nullptr;
   const W* wp = weight.data_ptr<W>();
   O* op = out.data_ptr<O>();
   at::parallel_for(0, a * b, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t ia = i / b, ib = i % b;
-      rms_row<T, W, O>(xp + ia * xs0 + ib * xs1, rp ? rp + ia * rs0 + ib * rs1 : nullptr, wp, eps, n, op + i * n,
-                       hp ? hp + i * n : nullptr);
+      rms_row<X, H, W, O>(xp + ia * xs0 + ib * xs1, rp ? rp + ia * rs0 + ib * rs1 : nullptr, wp, eps, n,
+                          op + i * n, hp ? hp + i * n : nullptr);
     }
   });
 }
 
+// calls f with a value of the C++ type of t (float or c10::BFloat16)
+template <typename F>
+void with_type(at::ScalarType t, F&& f) {
+  if (t == at::kFloat) f(float{}); else f(c10::BFloat16{});
+}
+
+bool low_or_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; }
+
+// an output of `rows` rows of n values of dtype t, in storage for max(rows, capacity) rows (a oneDNN linear layer
+// taking it pads its rows to `capacity` in place: wde/components/models/cpu_linear.py)
+at::Tensor rows_tensor(at::IntArrayRef sizes, int64_t rows, int64_t n, int64_t capacity, const at::TensorOptions& o) {
+  if (capacity <= rows) return at::empty(sizes, o);
+  return at::empty({capacity * n}, o).narrow(0, 0, rows * n).view(sizes);
+}
+
+// out_dtype (none: the promoted dtype) checked: the promoted dtype, or bfloat16 below a float32 one
+at::ScalarType out_type(const c10::optional<at::ScalarType>& out_dtype, at::ScalarType promoted) {
+  if (!out_dtype) return promoted;
+  const auto o = *out_dtype;
+  TORCH_CHECK(o == promoted || o == at::kBFloat16, "cpu_ops: the output dtype must be the promoted dtype or bfloat16");
+  return o;
+}
+
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                     const at::Tensor& weight, double eps) {
+                                     const at::Tensor& weight, double eps,
+                                     const c10::optional<at::ScalarType>& out_dtype, int64_t capacity) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1, "cpu_ops: x must be a CPU [A, B, n] tensor"
               " whose last dimension is contiguous");
   const auto t = x.scalar_type(), wt = weight.scalar_type();
-  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, "cpu_ops: x must be float32 or bfloat16");
-  TORCH_CHECK((wt == at::kFloat || wt == at::kBFloat16) && weight.is_contiguous() && weight.numel() == x.size(2),
+  TORCH_CHECK(low_or_float(t), "cpu_ops: x must be float32 or bfloat16");
+  TORCH_CHECK(low_or_float(wt) && weight.is_contiguous() && weight.numel() == x.size(2),
               "cpu_ops: the weight must be a contiguous float32 or bfloat16 [n]");
+  auto ht = t;
   if (residual) {
-    TORCH_CHECK(residual->scalar_type() == t && residual->sizes() == x.sizes() && residual->stride(2) == 1,
-                "cpu_ops: the residual must have x's dtype and shape");
+    ht = residual->scalar_type();
+    TORCH_CHECK((ht == t || ht == at::kFloat) && residual->sizes() == x.sizes() && residual->stride(2) == 1,
+                "cpu_ops: the residual must have x's shape and x's dtype or float32");
   }
-  const auto ot = (t == at::kBFloat16 && wt == at::kBFloat16) ? at::kBFloat16 : at::kFloat;
-  at::Tensor out = at::empty(x.sizes(), x.options().dtype(ot));
+  const auto ot = out_type(out_dtype, (ht == at::kBFloat16 && wt == at::kBFloat16) ? at::kBFloat16 : at::kFloat);
+  const int64_t rows = x.size(0) * x.size(1), n = x.size(2);
+  at::Tensor out = rows_tensor(x.sizes(), rows, n, capacity, x.options().dtype(ot));
   c10::optional<at::Tensor> h;
-  if (residual) h = at::empty(x.sizes(), x.options());
+  if (residual) h = at::empty(x.sizes(), x.options().dtype(ht));
   const float e = static_cast<float>(eps);
-  if (t == at::kFloat) {
-    if (wt == at::kFloat) add_rms_norm_impl<float, float, float>(x, residual, weight, e, out, h);
-    else add_rms_norm_impl<float, c10::BFloat16, float>(x, residual, weight, e, out, h);
-  } else if (wt == at::kFloat) {
-    add_rms_norm_impl<c10::BFloat16, float, float>(x, residual, weight, e, out, h);
-  } else {
-    add_rms_norm_impl<c10::BFloat16, c10::BFloat16, c10::BFloat16>(x, residual, weight, e, out, h);
-  }
+  with_type(t, [&](auto xv) {
+    with_type(ht, [&](auto hv) {
+      with_type(wt, [&](auto wv) {
+        with_type(ot, [&](auto ov) {
+          using X = decltype(xv);
+          using H = decltype(hv);
+          if constexpr (std::is_same_v<X, H> || std::is_same_v<H, float>) {
+            add_rms_norm_impl<X, H, decltype(wv), decltype(ov)>(x, residual, weight, e, out, h);
+          }
+        });
+      });
+    });
+  });
   if (h) return {out, *h};
   return {out};
+}
+
+// Qwen3's per-head q/k RMSNorm (when a weight is given) and the half-split rotary embedding, then the cast to the
+// attention's dtype, in one pass over each head's row, as the modules compute them one after the other:
+//   y = P(w * X(x * rsqrt(mean(x^2) + eps)))        P = promote(X, W)   (y = x without a weight)
+//   o = O(R(R(y * cos) + R(rotate_half(y) * sin)))   R = promote(P, C), O the attention's dtype
+template <typename X, typename W, typename C, typename R, typename O>
+void norm_rotary_impl(const at::Tensor& x, const W* wp, float eps, const C* cp, const C* sp, int64_t cs,
+                      at::Tensor& out) {
+  using P = std::conditional_t<std::is_same_v<X, float> || std::is_same_v<W, float>, float, c10::BFloat16>;
+  const int64_t t = x.size(0), nh = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  const X* xp = x.data_ptr<X>();
+  O* op = out.data_ptr<O>();
+  at::parallel_for(0, t * nh, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> y(d);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t it = i / nh, ih = i % nh;
+      const X* xr = xp + it * s0 + ih * s1;
+      float r = 1.f;
+      int64_t j = 0;
+      if (wp) {
+        vf sq = {};
+        float sqt = 0.f;
+        for (; j + VW <= d; j += VW) {
+          const vf v = vload(xr + j);
+          sq += v * v;
+        }
+        for (; j < d; ++j) {
+          const float v = static_cast<float>(xr[j]);
+          sqt += v * v;
+        }
+        for (int64_t l = 0; l < VW; ++l) sqt += sq[l];
+        r = 1.f / std::sqrt(sqt / static_cast<float>(d) + eps);
+      }
+      j = 0;
+      for (; j + VW <= d; j += VW) {
+        const vf v = vload(xr + j);
+        vstore(y.data() + j, wp ? as_dtype<P>(as_dtype<X>(v * r) * vload(wp + j)) : v);
+      }
+      for (; j < d; ++j) {
+        const float v = static_cast<float>(xr[j]);
+        y[j] = wp ? as_dtype1<P>(as_dtype1<X>(v * r) * static_cast<float>(wp[j])) : v;
+      }
+      const C* c = cp + it * cs;
+      const C* sn = sp + it * cs;
+      O* o = op + i * d;
+      j = 0;
+      if (half % VW == 0) {
+        for (; j < half; j += VW) {
+          const vf a = vload(y.data() + j), b = vload(y.data() + half + j);
+          vstore(o + j, as_dtype<O>(as_dtype<R>(as_dtype<R>(a * vload(c + j)) + as_dtype<R>(-b * vload(sn + j)))));
+          vstore(o + half + j, as_dtype<O>(as_dtype<R>(as_dtype<R>(b * vload(c + half + j)) +
+                                                       as_dtype<R>(a * vload(sn + half + j)))));
+        }
+      }
+      for (; j < half; ++j) {
+        const float a = y[j], b = y[half + j];
+        o[j] = static_cast<O>(as_dtype1<R>(as_dtype1<R>(a * static_cast<float>(c[j])) +
+                                           as_dtype1<R>(-b * static_cast<float>(sn[j]))));
+        o[half + j] = static_cast<O>(as_dtype1<R>(as_dtype1<R>(b * static_cast<float>(c[half + j])) +
+                                                  as_dtype1<R>(a * static_cast<float>(sn[half + j]))));
+      }
+    }
+  });
+}
+
+at::Tensor norm_rotary(const at::Tensor& x, const c10::optional<at::Tensor>& weight, double eps, const at::Tensor& cos,
+                       const at::Tensor& sin, const c10::optional<at::ScalarType>& out_dtype) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "cpu_ops: x must be a CPU [T, H, d] tensor, d even, its last dimension contiguous");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.strides() == sin.strides() && cos.size(0) == x.size(0)
+              && cos.size(1) == x.size(2) && cos.stride(1) == 1 && cos.scalar_type() == sin.scalar_type(),
+              "cpu_ops: cos and sin must be [T, d] like x, of one dtype");
+  const auto t = x.scalar_type(), ct = cos.scalar_type();
+  TORCH_CHECK(low_or_float(t) && low_or_float(ct), "cpu_ops: x, cos and sin must be float32 or bfloat16");
+  const auto wt = weight ? weight->scalar_type() : t;
+  if (weight) {
+    TORCH_CHECK(low_or_float(wt) && weight->is_contiguous() && weight->numel() == x.size(2),
+                "cpu_ops: the weight must be a contiguous float32 or bfloat16 [d]");
+  }
+  const bool low = t == at::kBFloat16 && wt == at::kBFloat16 && ct == at::kBFloat16;
+  const auto ot = out_type(out_dtype, low ? at::kBFloat16 : at::kFloat);
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(ot));
+  const float e = static_cast<float>(eps);
+  with_type(t, [&](auto xv) {
+    with_type(wt, [&](auto wv) {
+      with_type(ct, [&](auto cv) {
+        with_type(ot, [&](auto ov) {
+          using X = decltype(xv);
+          using W = decltype(wv);
+          using C = decltype(cv);
+          using R = std::conditional_t<std::is_same_v<X, float> || std::is_same_v<W, float> ||
+                                       std::is_same_v<C, float>, float, c10::BFloat16>;
+          const W* wp = weight ? weight->data_ptr<W>() : nullptr;
+          norm_rotary_impl<X, W, C, R, decltype(ov)>(x, wp, e, cos.data_ptr<C>(), sin.data_ptr<C>(), cos.stride(0),
+                                                      out);
+        });
+      });
+    });
+  });
+  return out;
 }
 
 // out = T(T(x * cos) + T(rotate_half(x) * sin)), rotate_half(x) = (-x[d/2:], x[:d/2])
@@ -778,11 +923,11 @@ void silu_mul_impl(const T* gu, int64_t rows, int64_t m, int64_t stride, T* out)
   });
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t capacity) {
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
               "cpu_ops: gate_up must be a CPU [rows, 2m] tensor whose rows are contiguous");
   const int64_t rows = gate_up.size(0), m = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({rows, m}, gate_up.options());
+  at::Tensor out = rows_tensor({rows, m}, rows, m, capacity, gate_up.options());
   if (gate_up.scalar_type() == at::kFloat) {
     silu_mul_impl(gate_up.data_ptr<float>(), rows, m, gate_up.stride(0), out.data_ptr<float>());
   } else if (gate_up.scalar_type() == at::kBFloat16) {
@@ -795,9 +940,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_layer_norm", &add_layer_norm, "LayerNorm(x + residual), float32 out (CPU)");
-  m.def("add_rms_norm", &add_rms_norm, "RMSNorm(x + residual) * weight, and x + residual when given (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "RMSNorm(x + residual) * weight, and x + residual when given (CPU)",
+        pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("weight"), pybind11::arg("eps"),
+        pybind11::arg("out_dtype") = pybind11::none(), pybind11::arg("capacity") = 0);
   m.def("rotary", &rotary, "half-split rotary embedding of [T, H, d] by [T, d] tables (CPU)");
-  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused gate|up output (CPU)");
+  m.def("norm_rotary", &norm_rotary, "per-head RMSNorm (optional), half-split rotary and a cast, in one pass (CPU)");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused gate|up output (CPU)", pybind11::arg("gate_up"),
+        pybind11::arg("capacity") = 0);
   m.def("quantize_rows", &quantize_rows, "per-row asymmetric u8 quantization (CPU)");
   m.def("dequantize_rows_", &dequantize_rows_, "per-row dequantization, bias and activation, in place (CPU)");
   m.def("dequantize_rows_bf16_", &dequantize_rows_bf16_,

@@ -158,6 +158,131 @@ def test_add_rms_norm_of_a_strided_per_head_view_and_non_finite_rows() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(37, 1024), (300, 96), (5, 3, 40)])
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+def test_add_rms_norm_of_a_low_precision_output_and_a_float32_residual(x_dtype: torch.dtype, shape: tuple[int, ...],
+                                                                       out_dtype: torch.dtype | None,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed-precision decoder's layer: a bfloat16 linear output added to the float32 residual stream (the sum in
+    float32, as PyTorch promotes it), normed with a float32 weight; with `out_dtype` the output comes in the dtype the
+    next linear layer casts it to, with storage for the rows a oneDNN layer pads it to, so that layer copies
+    nothing (`_padded_in_place` takes it)."""
+    from wde.components.models.cpu_linear import _padded_in_place, padded_rows
+
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=g) * 3).to(x_dtype)
+    residual = torch.randn(shape, generator=g) * 2
+    weight = torch.rand(shape[-1], generator=g) + 0.5
+    calls = []
+    kernel = cpp_build.cpu_ops()
+    monkeypatch.setattr(cpp_build, "cpu_ops", lambda: calls.append(1) or kernel)
+    got, h = fused.add_rms_norm(x, residual, weight, 1e-6, out_dtype)
+    want, want_h = rms_reference(x, residual, weight, 1e-6)
+    assert calls, "the kernel was not called"
+    assert h.dtype == torch.float32 and torch.equal(h, want_h)
+    if out_dtype is None:
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        want = want.to(out_dtype)
+        assert got.dtype == out_dtype and got.shape == want.shape
+        assert (got != want).float().mean() <= 1e-3  # a 1-ulp step where float32 rounding sits on a bf16 midpoint
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
+        rows = got.numel() // shape[-1]
+        assert _padded_in_place(got.reshape(rows, shape[-1]), padded_rows(rows), out_dtype) is not None
+    # the torch path (no kernel) gives the same dtypes and values
+    monkeypatch.setattr(cpp_build, "cpu_ops", lambda: None)
+    plain, plain_h = fused.add_rms_norm(x, residual, weight, 1e-6, out_dtype)
+    assert plain.dtype == got.dtype and torch.equal(plain_h, h)
+    torch.testing.assert_close(plain.float(), got.float(), rtol=2 ** -7, atol=1e-6)
+
+
+def norm_rotary_reference(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """Qwen3's modules one after the other: the per-head RMSNorm, `x * cos + rotate_half(x) * sin`, the cast."""
+    from wde.components.models.rotary import _rotate
+
+    if weight is not None:
+        x = rms_reference(x, None, weight, 1e-6)[0]
+    return _rotate(x, cos, sin, False).to(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtypes", [
+    (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16),  # Qwen3 in mixed precision
+    (torch.bfloat16, None, torch.float32, torch.bfloat16),  # Llama / Qwen2 in mixed precision: no q/k norm
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.bfloat16),  # pure bfloat16
+    (torch.bfloat16, None, torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float32, torch.float32, torch.float32),
+    (torch.float32, None, torch.float32, torch.float32),
+], ids=["qwen3-mixed", "llama-mixed", "qwen3-bf16", "llama-bf16", "qwen3-fp32", "llama-fp32"])
+@pytest.mark.parametrize("heads_dim", [(16, 128), (3, 40)])  # 40: a half (20) not a multiple of 16
+def test_norm_rotary_equals_the_modules_in_turn(dtypes: tuple, heads_dim: tuple[int, int],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`norm_rotary` (one C++ pass) against the q/k norm, the rotary embedding and the cast to the attention's dtype
+    computed one after the other, on a strided per-head slice of a fused q|k|v output with a NaN and an infinity in
+    two rows: low-precision results the same values but for rare 1-ulp steps (float32's rsqrt against 1 / sqrt),
+    float32 within float rounding; a non-finite input stays non-finite in its own head only."""
+    from wde.components.models.rotary import RotaryEmbedding, norm_rotary
+
+    x_dtype, w_dtype, table_dtype, out_dtype = dtypes
+    heads, d = heads_dim
+    g = torch.Generator().manual_seed(d)
+    qkv = (torch.randn(53, heads * d * 2, generator=g) * 3).to(x_dtype)
+    qkv[7, 5] = float("nan")
+    qkv[11, d + 3] = float("inf")
+    x = qkv[:, :heads * d].view(-1, heads, d)
+    weight = None if w_dtype is None else (torch.rand(d, generator=g) + 0.5).to(w_dtype)
+    cos, sin = RotaryEmbedding(d, 1e6)(torch.arange(53) * 17, table_dtype)
+    calls = []
+    kernel = cpp_build.cpu_ops()
+    monkeypatch.setattr(cpp_build, "cpu_ops", lambda: calls.append(1) or kernel)
+    got = norm_rotary(x, weight, 1e-6, cos, sin, out_dtype)
+    want = norm_rotary_reference(x, weight, cos, sin, out_dtype)
+    assert calls, "the kernel was not called"
+    assert got.dtype == want.dtype == out_dtype and got.shape == x.shape and got.is_contiguous()
+    bad = ~want.isfinite().all(-1)
+    assert bad.sum() == 2 and torch.equal(~got.isfinite().all(-1), bad)
+    if out_dtype == torch.bfloat16:
+        # a normed value one bf16 step apart (the rsqrt) moves the rotated sum by that step of its larger term
+        assert (got[~bad] != want[~bad]).float().mean() <= (2e-3 if weight is not None else 1e-3)
+        torch.testing.assert_close(got[~bad].float(), want[~bad].float(), rtol=2 ** -7, atol=2 ** -5)
+    else:
+        torch.testing.assert_close(got[~bad], want[~bad], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_norm_rotary_refuses_what_it_does_not_compute() -> None:
+    """Partial rotary tables, a float32 result asked of bfloat16 inputs and grad-tracking inputs keep the modules'
+    own path (the same values, slower)."""
+    from wde.components.models.rotary import RotaryEmbedding, _cpu_norm_rotary_fits
+
+    x = torch.randn(4, 2, 32).bfloat16()
+    cos, sin = RotaryEmbedding(32, 1e4)(torch.arange(4), torch.float32)
+    assert _cpu_norm_rotary_fits(x, None, cos, sin, torch.bfloat16)
+    half_cos, half_sin = RotaryEmbedding(32, 1e4, rotary_dim=16)(torch.arange(4), torch.float32)
+    assert not _cpu_norm_rotary_fits(x, None, half_cos, half_sin, torch.bfloat16)
+    bf_cos, bf_sin = cos.bfloat16(), sin.bfloat16()
+    assert not _cpu_norm_rotary_fits(x, None, bf_cos, bf_sin, torch.float32)  # a widening cast: not this kernel's
+    assert not _cpu_norm_rotary_fits(x.half(), None, cos, sin, torch.bfloat16)
+    with torch.enable_grad():
+        assert not _cpu_norm_rotary_fits(x.float().requires_grad_(), None, cos, sin, torch.float32)
+
+
+@needs_kernel
+def test_silu_mul_leaves_rows_for_the_down_projection_padding() -> None:
+    """SiLU * up writes into storage holding the rows the down projection's oneDNN GEMM pads its input to, so that
+    layer reads it in place instead of copying it."""
+    from wde.components.models.cpu_linear import _padded_in_place, padded_rows
+
+    gate_up = torch.randn(1000, 2 * 96).bfloat16()
+    out = fused.silu_mul(gate_up, nn.SiLU())
+    assert out.shape == (1000, 96) and padded_rows(1000) > 1000
+    assert _padded_in_place(out, padded_rows(1000), torch.bfloat16) is not None
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads_dim", [(16, 128), (8, 64), (3, 40)])  # 40: a half (20) not a multiple of 16
 def test_rotary_equals_rotate_half(dtype: torch.dtype, heads_dim: tuple[int, int]) -> None:

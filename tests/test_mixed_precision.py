@@ -163,6 +163,9 @@ def test_every_family_runs_mixed_and_stays_close_to_float32(case: str, tmp_path:
                             "auto")
 
     assert model.mixed_precision and model.dtype == torch.bfloat16 and not pure_model.mixed_precision
+    # the norms of a decoder's blocks write the linear layers' input dtype (no cast pass), and only here
+    assert model.linear_input_dtype == torch.bfloat16
+    assert pure_model.linear_input_dtype is None and wide_model.linear_input_dtype is None
     linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
     assert linears and all(type(m) in (CastLinear, PackedLinear) for m in linears)
     assert {m.weight.dtype for m in linears if isinstance(m, nn.Linear)} <= {torch.bfloat16}

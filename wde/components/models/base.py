@@ -245,6 +245,16 @@ class PrefillModel(nn.Module, Model):
                                backend=self.attn_backend, causal=self.causal)
 
     @property
+    def linear_input_dtype(self) -> torch.dtype | None:
+        """The dtype every linear layer of the blocks casts its input to, where a norm may write its output in it
+        (the values the cast would give, without the cast's pass): the low dtype of a mixed-precision model whose
+        linear layers run in it, without adapters or int8; else None (a norm's output goes as it is)."""
+        if (self.mixed_precision and self.linear_dtype != torch.float32 and self.lora is None
+                and self.quantization == "none"):
+            return self.linear_dtype
+        return None
+
+    @property
     def hidden_size(self) -> int:
         """Width of the hidden states `forward` returns (poolers size their output from it)."""
         return int(self.config.hidden_size)

@@ -20,7 +20,8 @@ from wde.components.models.activations import activation
 from wde.components.models.base import PrefillModel
 from wde.components.models.fused import add_rms_norm, silu_mul
 from wde.components.models.loader import fused_linear
-from wde.components.models.rotary import STATIC_ROPE_TYPES, RotaryEmbedding, apply_rotary  # noqa: F401 (re-exported)
+from wde.components.models.rotary import (  # noqa: F401 (RotaryEmbedding, apply_rotary re-exported)
+    STATIC_ROPE_TYPES, RotaryEmbedding, apply_rotary, norm_rotary)
 from wde.errors import ModelLoadError
 
 
@@ -32,9 +33,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): fused into one kernel on CUDA."""
-        return add_rms_norm(x, residual, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), one kernel on CUDA and CPU; `out_dtype`: the dtype the linear layer
+        taking the normed output casts it to (`fused.add_rms_norm`)."""
+        return add_rms_norm(x, residual, self.weight, self.eps, out_dtype)
 
 
 class DecoderAttention(nn.Module):
@@ -53,15 +56,31 @@ class DecoderAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        return self.attend(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), meta)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        q_norm, k_norm = self.qk_norms()
+        if cos.shape[-1] == self.head_dim:  # every feature rotates: norm, rotary and the cast in one pass on CPU
+            q = norm_rotary(q.reshape(-1, self.num_heads, self.head_dim), *_weight_eps(q_norm), cos, sin, v.dtype)
+            k = norm_rotary(k.reshape(-1, self.num_kv_heads, self.head_dim), *_weight_eps(k_norm), cos, sin, v.dtype)
+        else:
+            q, k = q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim)
+            if q_norm is not None and k_norm is not None:
+                q, k = q_norm(q)[0], k_norm(k)[0]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.attend(q, k, v, meta)
+
+    def qk_norms(self) -> tuple[RMSNorm | None, RMSNorm | None]:
+        """The RMSNorms over each head's q and k before RoPE (Qwen3's `q_norm`, `k_norm`), or none."""
+        return None, None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention in v's dtype, then the output projection. In a mixed-precision model v leaves its linear
         layer in the low dtype while float32 rotary tables (or q/k norms) promote q and k to float32."""
         out = self.backend.forward(q.to(v.dtype), k.to(v.dtype), v, meta, self.scale)
         return self.o_proj(out.reshape(q.shape[0], -1))
+
+
+def _weight_eps(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float]:
+    return (None, 0.0) if norm is None else (norm.weight, norm.eps)
 
 
 class GatedMLP(nn.Module):
@@ -91,10 +110,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        normed, _ = self.input_layernorm(x)
-        normed, h = self.post_attention_layernorm(self.self_attn(normed, cos, sin, meta), x)
-        return h + self.mlp(normed)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, linear_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it): the next layer (or the final norm) adds the two in its
+        norm's kernel, as vLLM's layers do, instead of a pass of its own here. `linear_dtype`: the dtype the linear
+        layers cast their input to (`PrefillModel.linear_input_dtype`); the norms write their output in it."""
+        normed, residual = self.input_layernorm(x, residual, linear_dtype)
+        normed, residual = self.post_attention_layernorm(self.self_attn(normed, cos, sin, meta), residual,
+                                                         linear_dtype)
+        return self.mlp(normed), residual
 
 
 def sliding_window(cfg: object) -> int | None:
@@ -155,6 +179,7 @@ class DecoderModel(PrefillModel):
         meta = self.attn_backend.build_metadata(batch, self.causal)
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary_emb(batch.positions, x.dtype)
+        linear_dtype, residual = self.linear_input_dtype, None
         for layer in self.layers:
-            x = layer(x, cos, sin, meta)
-        return self.norm(x)[0]
+            x, residual = layer(x, residual, cos, sin, meta, linear_dtype)
+        return self.norm(x, residual)[0]

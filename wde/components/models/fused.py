@@ -60,45 +60,61 @@ def cpu_fusable(x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> 
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, residual, *params))))
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(`rms_norm(x + residual) * weight`, `x + residual`): a pre-norm block's normed input and new residual.
 
-    The torch path normalizes in float32 and scales in the input dtype, as the reference models do.
+    The torch path normalizes in float32 and scales in the input dtype, as the reference models do. `out_dtype`:
+    the dtype the linear layer that takes the normed output casts it to (bfloat16 in a mixed-precision model, whose
+    norms compute in float32); the output comes in it, the values that cast gives, and on CPU with storage for the
+    rows a oneDNN layer pads it to (`padded_rows`), so that layer copies nothing.
     """
     if x.is_cuda:
         from wde.kernels.fused_norm import add_rms_norm as fused
 
-        return fused(x, residual, weight, eps)
-    if cpu_rms_fusable(x, residual, weight):
+        normed, h = fused(x, residual, weight, eps)
+        return (normed if out_dtype is None else normed.to(out_dtype)), h
+    if cpu_rms_fusable(x, residual, weight, out_dtype):
         from wde.kernels.cpp_build import cpu_ops
 
         kernel = cpu_ops()
         if kernel is not None:
             view = x.unsqueeze(1) if x.dim() == 2 else x
             rest = None if residual is None else residual.unsqueeze(1) if residual.dim() == 2 else residual
-            got = kernel.add_rms_norm(view, rest, weight, eps)
+            capacity = 0 if out_dtype is None else _linear_rows(x.numel() // x.shape[-1])
+            got = kernel.add_rms_norm(view, rest, weight, eps, out_dtype, capacity)
             return got[0].view(x.shape), (x if residual is None else got[1].view(x.shape))
     h = x if residual is None else x + residual
     hf = h.float()
-    return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype), h
+    normed = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    return (normed if out_dtype is None else normed.to(out_dtype)), h
 
 
-def cpu_rms_fusable(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
+def cpu_rms_fusable(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    out_dtype: torch.dtype | None = None) -> bool:
     """Whether `add_rms_norm`'s CPU kernel computes what its torch path would here: x 2-d or 3-d with its last
-    dimension contiguous, float32 or bfloat16, the residual of x's dtype and shape, the weight float32 or bfloat16
-    (inference)."""
+    dimension contiguous, float32 or bfloat16, the residual of x's shape and of x's dtype or float32, the weight
+    float32 or bfloat16, the output in the promoted dtype or bfloat16 (inference)."""
     lowp = (torch.float32, torch.bfloat16)
     return (x.device.type == "cpu" and x.dtype in lowp and x.dim() in (2, 3) and x.stride(-1) == 1
             and weight.dtype in lowp and weight.dim() == 1 and weight.shape[0] == x.shape[-1]
-            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
+            and out_dtype in (None, torch.bfloat16)
+            and (residual is None or (residual.dtype in (x.dtype, torch.float32) and residual.shape == x.shape
                                       and residual.stride(-1) == 1))
             and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight))))
 
 
+def _linear_rows(rows: int) -> int:
+    """How many rows a oneDNN linear layer pads an input of `rows` rows to (its one rule, in cpu_linear)."""
+    from wde.components.models.cpu_linear import padded_rows
+
+    return padded_rows(rows)
+
+
 def silu_mul(gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
     """`act(gate) * up` of a fused gate|up projection's output [rows, 2m] (SwiGLU): one pass in the C++ kernel on CPU
-    where `act` is SiLU, else the torch ops."""
+    where `act` is SiLU, else the torch ops. The kernel's output has storage for the rows the down projection pads
+    it to (`padded_rows`), so a oneDNN layer takes it without a copy."""
     m = gate_up.shape[-1] // 2
     if (gate_up.device.type == "cpu" and _is_silu(act) and gate_up.dtype in (torch.float32, torch.bfloat16)
             and gate_up.stride(-1) == 1 and not (torch.is_grad_enabled() and gate_up.requires_grad)):
@@ -107,7 +123,7 @@ def silu_mul(gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
         kernel = cpu_ops()
         if kernel is not None:
             flat = gate_up.reshape(-1, 2 * m)
-            return kernel.silu_mul(flat).view(*gate_up.shape[:-1], m)
+            return kernel.silu_mul(flat, _linear_rows(flat.shape[0])).view(*gate_up.shape[:-1], m)
     gate, up = gate_up.split(m, dim=-1)
     return act(gate) * up
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
-from wde.components.attention.base import AttentionBackend, AttentionMetadata
-from wde.components.models.decoder_layers import DecoderAttention, DecoderLayer, DecoderModel, RMSNorm, apply_rotary
+from wde.components.attention.base import AttentionBackend
+from wde.components.models.decoder_layers import DecoderAttention, DecoderLayer, DecoderModel, RMSNorm
 
 
 class Qwen3Attention(DecoderAttention):
@@ -16,11 +14,8 @@ class Qwen3Attention(DecoderAttention):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)  # type: ignore[attr-defined]
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)  # type: ignore[attr-defined]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = apply_rotary(self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))[0], cos, sin)
-        k = apply_rotary(self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))[0], cos, sin)
-        return self.attend(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), meta)
+    def qk_norms(self) -> tuple[RMSNorm | None, RMSNorm | None]:
+        return self.q_norm, self.k_norm
 
 
 class Qwen3DecoderLayer(DecoderLayer):

@@ -135,6 +135,43 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     return _rotate(x, cos, sin, interleaved)
 
 
+def norm_rotary(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """q or k ([tokens, heads, head_dim]) made ready for attention: RMSNorm over each head with `weight` (Qwen3's
+    `q_norm` / `k_norm`; none: no norm), the half-split rotary embedding by the full-width tables `cos` / `sin`, then
+    cast to `dtype` (the attention's). On CPU one C++ pass over each head's row computes what those three steps do
+    in turn, the roundings included (in a mixed-precision model x is bfloat16 and the norm weight and tables
+    float32: the steps run in float32 and only the result is rounded); elsewhere the three steps run."""
+    if _cpu_norm_rotary_fits(x, weight, cos, sin, dtype):
+        from wde.kernels.cpp_build import cpu_ops
+
+        kernel = cpu_ops()
+        if kernel is not None:
+            d = x.shape[-1]
+            return kernel.norm_rotary(x, weight, eps, cos.reshape(cos.shape[0], d), sin.reshape(sin.shape[0], d), dtype)
+    if weight is not None:
+        from wde.components.models.fused import add_rms_norm
+
+        x = add_rms_norm(x, None, weight, eps)[0]
+    return apply_rotary(x, cos, sin).to(dtype)
+
+
+def _cpu_norm_rotary_fits(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                          dtype: torch.dtype) -> bool:
+    """Whether `norm_rotary`'s C++ kernel takes this call: CPU, x [tokens, heads, d] with its last dimension
+    contiguous, cos and sin [tokens, 1, d] of one dtype, the weight [d], every dtype float32 or bfloat16, the result
+    in the promoted dtype or bfloat16 (inference)."""
+    lowp = (torch.float32, torch.bfloat16)
+    promoted = torch.bfloat16 if {x.dtype, cos.dtype, *(() if weight is None else (weight.dtype,))} == {
+        torch.bfloat16} else torch.float32
+    return (x.device.type == "cpu" and x.dim() == 3 and x.stride(-1) == 1 and x.dtype in lowp and cos.dtype in lowp
+            and dtype in (promoted, torch.bfloat16) and sin.dtype == cos.dtype and cos.dim() == 3 and cos.shape[1] == 1
+            and cos.shape == sin.shape and cos.shape[0] == x.shape[0] and cos.shape[-1] == x.shape[-1]
+            and x.shape[-1] % 2 == 0 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+            and (weight is None or (weight.dtype in lowp and weight.shape == (x.shape[-1],) and weight.is_contiguous()))
+            and not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))))
+
+
 def _cpu_rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether the C++ kernel takes this call: CPU, x [tokens, heads, d] with its last dimension contiguous, cos and
     sin [tokens, 1, d] of x's dtype (float32 or bfloat16), inference."""
