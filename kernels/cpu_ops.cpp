@@ -87,7 +87,22 @@ inline vf vload(const c10::BFloat16* p) {  // bf16 -> float: the 16 bits become 
 inline void vstore(float* p, vf x) { __builtin_memcpy(p, &x, sizeof x); }
 // x rounded to bfloat16 and back: nearest even, a NaN kept a (quiet) NaN, what vcvtneps2bf16 and
 // c10::BFloat16(float) give (the rounding carry alone would take a NaN whose low mantissa bits are all set to -0 or
-// an infinity); the bf16 value is the high half of each lane
+// an infinity); the bf16 value is the high half of each lane. Where the CPU has AVX512-BF16 that instruction does it
+// in one step (it flushes denormals, below 1.2e-38, to zero: the attention kernel's and oneDNN's bf16 paths do too)
+#if defined(__AVX512BF16__)
+inline __m256i cvt_bf16(vf x) {
+  __m512 m;
+  __builtin_memcpy(&m, &x, sizeof m);
+  return (__m256i)_mm512_cvtneps_pbh(m);
+}
+inline vf vround_bf16(vf x) {
+  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(cvt_bf16(x)), 16);
+  vf out;
+  __builtin_memcpy(&out, &w, sizeof out);
+  return out;
+}
+inline void vstore(c10::BFloat16* p, vf x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), cvt_bf16(x)); }
+#else
 inline vf vround_bf16(vf x) {
   vu w;
   __builtin_memcpy(&w, &x, sizeof w);
@@ -105,6 +120,7 @@ inline void vstore(c10::BFloat16* p, vf x) {
   const vh h = __builtin_convertvector(w >> 16, vh);
   __builtin_memcpy(p, &h, sizeof h);
 }
+#endif
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline vf splat(float v) { return vf{} + v; }
