@@ -224,7 +224,7 @@ def prepare(engine: str, model: str, args: argparse.Namespace) -> str | None:
 
 
 def worker(engine: str, model: str, dtype: str, texts_file: str, out_file: str, prepared: str | None = None,
-           fidelity: bool = True, wde_set: tuple[str, ...] = ()) -> None:
+           fidelity: bool = True, wde_set: tuple[str, ...] = (), vllm_max_model_len: int = 256) -> None:
     """Embed each timed workload once to warm up, then time it; with `fidelity`, embed the other texts untimed; write
     {name: seconds} and the vectors."""
     import torch
@@ -259,7 +259,8 @@ def worker(engine: str, model: str, dtype: str, texts_file: str, out_file: str, 
     elif engine == "vllm":
         from vllm import LLM
 
-        llm = LLM(model=model, runner="pooling", dtype=dtype, max_model_len=256, enforce_eager=False)
+        length = {"max_model_len": vllm_max_model_len} if vllm_max_model_len else {}  # 0: the model's own
+        llm = LLM(model=model, runner="pooling", dtype=dtype, enforce_eager=False, **length)
         run = lambda xs: np.stack([o.outputs.embedding for o in llm.embed(xs, use_tqdm=False)])  # noqa: E731
     else:
         raise SystemExit(f"unknown engine {engine}")
@@ -300,7 +301,7 @@ def engine_env(engine: str) -> dict[str, str]:
            **ISA_CAP}
     env.pop("LD_PRELOAD", None)
     if engine == "vllm":
-        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 2) - 1}", VLLM_CPU_KVCACHE_SPACE="2")
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 2) - 1}", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
         env["LD_PRELOAD"] = ":".join(vllm_preload())
     elif engine in WDE_DTYPES and ALLOCATOR[0] == "tcmalloc" and (tcmalloc := find_tcmalloc()) is not None:
         env["LD_PRELOAD"] = tcmalloc
@@ -339,7 +340,7 @@ def offline(engine: str, model: str, dtype: str, texts_file: str, tmp: Path, arg
     out = str(tmp / f"{engine}-{time.monotonic_ns()}")
     code = (f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); from peers import worker;"
             f" worker({engine!r}, {model!r}, {dtype!r}, {texts_file!r}, {out!r}, {prepared!r}, {fidelity!r},"
-            f" {tuple(args.wde_set)!r})")
+            f" {tuple(args.wde_set)!r}, {args.vllm_max_model_len!r})")
     with open(out + ".log", "w") as log:
         done = subprocess.run([python_for(engine, args), "-c", code], env=engine_env(engine), timeout=1800,
                               stdout=None if args.verbose else subprocess.DEVNULL,
@@ -373,7 +374,8 @@ def start_server(engine: str, model: str, dtype: str, port: int, args: argparse.
                *(["--api-servers", str(args.wde_api_servers)] if args.wde_api_servers is not None else [])]
     elif engine == "vllm":
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--runner", "pooling",
-               "--dtype", dtype, "--max-model-len", "256", "--port", str(port), "--served-model-name", "bench"]
+               "--dtype", dtype, "--port", str(port), "--served-model-name", "bench",
+               *(["--max-model-len", str(args.vllm_max_model_len)] if args.vllm_max_model_len else [])]
     else:
         raise SystemExit(f"no server for {engine}")
     log = open(Path(tempfile.gettempdir()) / f"peers-{engine}-{port}.log", "w")
@@ -520,6 +522,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--engines", default="wde,vllm", help=f"comma list of {', '.join(ENGINES)}")
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python", help="python of a venv with vllm-cpu")
+    ap.add_argument("--vllm-max-model-len", type=int, default=256, metavar="N",
+                    help="vLLM's max_model_len (its batches' token budget follows it); 0: the model's own, as vLLM"
+                    " runs a folder by default")
     ap.add_argument("--openvino-python", default="/work/venvs/ov/bin/python",
                     help="python of a venv with optimum-intel[openvino], nncf and sentence-transformers")
     ap.add_argument("--ort-python", default="/work/venvs/ort/bin/python",

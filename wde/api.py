@@ -97,6 +97,7 @@ _PUBLIC: dict[str, str] = {
     "RMSNorm": "wde.components.models.decoder_layers",
     "RotaryEmbedding": "wde.components.models.rotary",
     "apply_rotary": "wde.components.models.rotary",
+    "norm_rotary": "wde.components.models.rotary",
     "fused_linear": "wde.components.models.loader",
     "ConfigView": "wde.components.models.config_view",
     "load_weights": "wde.components.models.loader",
