@@ -12,7 +12,7 @@
 // Two inner paths. float32 inputs (and bf16 ones on CPUs without AVX512-BF16) are widened to float, and the dot
 // products and softmax run in float with GCC vector types (16 floats: one AVX-512 register, two AVX2 ones), scores
 // and outputs of 4 query rows held in registers, and a polynomial exp. bf16 inputs where the compiler targets
-// AVX512-BF16 (__AVX512BF16__) and head_dim is 32, 64 or 128 take Q.K^T and P.V with vdpbf16ps (bf16 pairs along
+// AVX512-BF16 (__AVX512BF16__) and head_dim is 32, 64, 128 or 256 take Q.K^T and P.V with vdpbf16ps (bf16 pairs along
 // the reduction, float accumulators): keys stay bf16 as pairs of dimensions (16 keys at a time through a 16 x 16
 // transpose), values are interleaved as pairs of keys, and the softmax weights P are rounded to bf16 as GPU flash
 // kernels do. On that path the softmax runs on the scores while they are still in registers, 4 rows at a time: their
@@ -20,8 +20,8 @@
 // 2.7e-6, far below the weights' bf16 rounding), written as bf16 pairs for P.V; rows and keys are prefetched ahead
 // of the blocks and conversions that read them. Where the build targets AMX (Sapphire Rapids and later) and Linux
 // grants the tile state, that path's two products run as AMX tile products instead (tdpbf16ps on the same pair
-// layouts; the softmax reads the scores back from an L1 buffer). head_dim is a template argument for 32, 64 and 128
-// (other sizes take plain loops). wde/kernels/cpp_build.py builds it for the host's own instruction set
+// layouts; the softmax reads the scores back from an L1 buffer). head_dim is a template argument for 32, 64, 128 and
+// 256 (other sizes take plain loops). wde/kernels/cpp_build.py builds it for the host's own instruction set
 // (-march=native), or for AVX2 under torch's AVX2 cap.
 // Only the headers used (not torch/extension.h, whose parsing was most of a build's time: wde/kernels/cpp_build.py)
 #include <ATen/core/Tensor.h>
@@ -913,6 +913,7 @@ void dispatch_dim(const Problem& pb, const at::Tensor& q, const at::Tensor& k, c
     case 32: return run<scalar_t, 32, DP>(pb, q, k, v, out, nseq);
     case 64: return run<scalar_t, 64, DP>(pb, q, k, v, out, nseq);
     case 128: return run<scalar_t, 128, DP>(pb, q, k, v, out, nseq);
+    case 256: return run<scalar_t, 256, DP>(pb, q, k, v, out, nseq);  // Gemma 3 (EmbeddingGemma)
     default: return run<scalar_t, 0, false>(pb, q, k, v, out, nseq);
   }
 }

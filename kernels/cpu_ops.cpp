@@ -12,13 +12,15 @@
 //   dtype: what the reference modules compute, in two passes over a row while it sits in L1 instead of PyTorch's
 //   seven. Optionally the output in bfloat16 below a float32 result (what the linear layer that takes it would cast
 //   it to: one rounding either way) in storage with rows to spare for the layer's padding. x may be a strided view
-//   ([A, B, n], the last dimension contiguous).
+//   ([A, B, n], the last dimension contiguous). With round_normed false the normalized row is not rounded before
+//   the scale (Gemma's RMSNorm: `(x * rsqrt(...) * (1 + w)).to(x.dtype)` in float32).
 // norm_rotary: q or k of a fused q|k|v output ([T, H, d], strided) made ready for attention in one pass over each
 //   head's row: Qwen3's per-head RMSNorm (when given a weight), the half-split rotary embedding by [T, d] tables, the
 //   cast to the attention's dtype; each step rounded as the modules that compute it in turn round it.
-// silu_mul: SiLU(gate) * up for gated MLPs (SwiGLU), gate and up the two halves of a fused gate|up projection's
-//   output, float32 or bfloat16: the SiLU rounded to the dtype, then the product, as `act(gate) * up` computes it, in
-//   one pass instead of three, into storage with rows to spare for the down projection's padding.
+// silu_mul: SiLU(gate) * up for gated MLPs (SwiGLU; or the tanh GELU: GeGLU), gate and up the two halves of a
+//   fused gate|up projection's output, float32 or bfloat16: the activation rounded to the dtype, then the product,
+//   as `act(gate) * up` computes it, in one pass instead of three, into storage with rows to spare for the down
+//   projection's padding.
 // rotary: rotary position embedding, half-split (feature i pairs with i + d/2), of x [T, H, d] (a strided view,
 //   its last dimension contiguous) by per-token tables cos, sin [T, d], all float32 or all bfloat16: each product
 //   and the sum rounded to the dtype as `x * cos + rotate_half(x) * sin` computes them, in one pass instead of six.
@@ -645,7 +647,7 @@ template <typename T> inline float as_dtype1(float x) { return static_cast<float
 // dtype or, for a float32 residual (mixed precision), float32; O the promoted dtype or a lower one the caller asked for
 // (the linear layer that takes the output casts to it: one rounding either way)
 template <typename X, typename H, typename W, typename O>
-inline void rms_row(const X* xr, const H* rr, const W* w, float eps, int64_t n, O* out, H* hr) {
+inline void rms_row(const X* xr, const H* rr, const W* w, float eps, int64_t n, O* out, H* hr, bool round) {
   vf sq = {};
   float sqt = 0.f;
   int64_t c = 0;
@@ -670,12 +672,12 @@ inline void rms_row(const X* xr, const H* rr, const W* w, float eps, int64_t n, 
   auto second = [&](const auto* src) {
     int64_t j = 0;
     for (; j + VW <= n; j += VW) {
-      vf y = as_dtype<H>(vload(src + j) * r) * vload(w + j);
-      vstore(out + j, as_dtype<O>(y));
+      const vf v = vload(src + j) * r;
+      vstore(out + j, as_dtype<O>((round ? as_dtype<H>(v) : v) * vload(w + j)));
     }
     for (; j < n; ++j) {
-      const float y = as_dtype1<H>(static_cast<float>(src[j]) * r) * static_cast<float>(w[j]);
-      out[j] = static_cast<O>(y);
+      const float v = static_cast<float>(src[j]) * r;
+      out[j] = static_cast<O>((round ? as_dtype1<H>(v) : v) * static_cast<float>(w[j]));
     }
   };
   if (rr) second(hr); else second(xr);
@@ -683,7 +685,7 @@ inline void rms_row(const X* xr, const H* rr, const W* w, float eps, int64_t n, 
 
 template <typename X, typename H, typename W, typename O>
 void add_rms_norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
-                       float eps, at::Tensor& out, c10::optional<at::Tensor>& h) {
+                       float eps, at::Tensor& out, c10::optional<at::Tensor>& h, bool round) {
   const int64_t a = x.size(0), b = x.size(1), n = x.size(2);
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1);
   const X* xp = x.data_ptr<X>();
@@ -696,7 +698,7 @@ void add_rms_norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& res
     for (int64_t i = begin; i < end; ++i) {
       const int64_t ia = i / b, ib = i % b;
       rms_row<X, H, W, O>(xp + ia * xs0 + ib * xs1, rp ? rp + ia * rs0 + ib * rs1 : nullptr, wp, eps, n,
-                          op + i * n, hp ? hp + i * n : nullptr);
+                          op + i * n, hp ? hp + i * n : nullptr, round);
     }
   });
 }
@@ -726,7 +728,8 @@ at::ScalarType out_type(const c10::optional<at::ScalarType>& out_dtype, at::Scal
 
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                      const at::Tensor& weight, double eps,
-                                     const c10::optional<at::ScalarType>& out_dtype, int64_t capacity) {
+                                     const c10::optional<at::ScalarType>& out_dtype, int64_t capacity,
+                                     bool round_normed) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1, "cpu_ops: x must be a CPU [A, B, n] tensor"
               " whose last dimension is contiguous");
   const auto t = x.scalar_type(), wt = weight.scalar_type();
@@ -752,7 +755,7 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at
           using X = decltype(xv);
           using H = decltype(hv);
           if constexpr (std::is_same_v<X, H> || std::is_same_v<H, float>) {
-            add_rms_norm_impl<X, H, decltype(wv), decltype(ov)>(x, residual, weight, e, out, h);
+            add_rms_norm_impl<X, H, decltype(wv), decltype(ov)>(x, residual, weight, e, out, h, round_normed);
           }
         });
       });
@@ -916,9 +919,20 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
-// silu(g) = g / (1 + e^-g), rounded to T, times u, rounded to T
+// act(g) rounded to T, times u, rounded to T; act SiLU, g / (1 + e^-g), or the tanh GELU written the same way,
+// 0.5 g (1 + tanh(u)) = g / (1 + e^-2u) (no cancellation where tanh(u) is near -1, unlike `activate`'s form)
+constexpr int64_t SILU = 0;  // silu_mul's act codes: SiLU, or GELU_TANH
+inline vf gate_act(vf x, int64_t act) {
+  const vf z = act == SILU ? x : 1.5957691216057308f * (x + 0.044715f * x * x * x);  // 2u
+  return x * vrcp(1.f + vexp(-z));
+}
+inline float gate_act1(float x, int64_t act) {
+  const float z = act == SILU ? x : 1.5957691216057308f * (x + 0.044715f * x * x * x);
+  return x / (1.f + std::exp(-z));
+}
+
 template <typename T>
-void silu_mul_impl(const T* gu, int64_t rows, int64_t m, int64_t stride, T* out) {
+void silu_mul_impl(const T* gu, int64_t rows, int64_t m, int64_t stride, T* out, int64_t act) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gu + r * stride;
@@ -926,28 +940,28 @@ void silu_mul_impl(const T* gu, int64_t rows, int64_t m, int64_t stride, T* out)
       T* o = out + r * m;
       int64_t c = 0;
       for (; c + VW <= m; c += VW) {
-        const vf x = vload(g + c);
-        const vf s = as_dtype<T>(x * vrcp(1.f + vexp(-x)));
+        const vf s = as_dtype<T>(gate_act(vload(g + c), act));
         vstore(o + c, as_dtype<T>(s * vload(u + c)));
       }
       for (; c < m; ++c) {
-        const float x = static_cast<float>(g[c]);
-        const float s = as_dtype1<T>(x / (1.f + std::exp(-x)));
+        const float s = as_dtype1<T>(gate_act1(static_cast<float>(g[c]), act));
         o[c] = static_cast<T>(s * static_cast<float>(u[c]));
       }
     }
   });
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up, int64_t capacity) {
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t capacity, int64_t act) {
+  TORCH_CHECK(act == SILU || act == GELU_TANH, "cpu_ops: act must be 0 (SiLU) or 2 (tanh GELU)");
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
               "cpu_ops: gate_up must be a CPU [rows, 2m] tensor whose rows are contiguous");
   const int64_t rows = gate_up.size(0), m = gate_up.size(1) / 2;
   at::Tensor out = rows_tensor({rows, m}, rows, m, capacity, gate_up.options());
   if (gate_up.scalar_type() == at::kFloat) {
-    silu_mul_impl(gate_up.data_ptr<float>(), rows, m, gate_up.stride(0), out.data_ptr<float>());
+    silu_mul_impl(gate_up.data_ptr<float>(), rows, m, gate_up.stride(0), out.data_ptr<float>(), act);
   } else if (gate_up.scalar_type() == at::kBFloat16) {
-    silu_mul_impl(gate_up.data_ptr<c10::BFloat16>(), rows, m, gate_up.stride(0), out.data_ptr<c10::BFloat16>());
+    silu_mul_impl(gate_up.data_ptr<c10::BFloat16>(), rows, m, gate_up.stride(0), out.data_ptr<c10::BFloat16>(),
+                  act);
   } else {
     TORCH_CHECK(false, "cpu_ops: gate_up must be float32 or bfloat16");
   }
@@ -958,11 +972,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_layer_norm", &add_layer_norm, "LayerNorm(x + residual), float32 out (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm(x + residual) * weight, and x + residual when given (CPU)",
         pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("weight"), pybind11::arg("eps"),
-        pybind11::arg("out_dtype") = pybind11::none(), pybind11::arg("capacity") = 0);
+        pybind11::arg("out_dtype") = pybind11::none(), pybind11::arg("capacity") = 0,
+        pybind11::arg("round_normed") = true);
   m.def("rotary", &rotary, "half-split rotary embedding of [T, H, d] by [T, d] tables (CPU)");
   m.def("norm_rotary", &norm_rotary, "per-head RMSNorm (optional), half-split rotary and a cast, in one pass (CPU)");
-  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused gate|up output (CPU)", pybind11::arg("gate_up"),
-        pybind11::arg("capacity") = 0);
+  m.def("silu_mul", &silu_mul, "act(gate) * up of a fused gate|up output, act SiLU (0) or tanh GELU (2) (CPU)",
+        pybind11::arg("gate_up"), pybind11::arg("capacity") = 0, pybind11::arg("act") = 0);
   m.def("quantize_rows", &quantize_rows, "per-row asymmetric u8 quantization (CPU)");
   m.def("dequantize_rows_", &dequantize_rows_, "per-row dequantization, bias and activation, in place (CPU)");
   m.def("dequantize_rows_bf16_", &dequantize_rows_bf16_,

@@ -103,7 +103,8 @@ def products(request: pytest.FixtureRequest):
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("window", [None, (7, 3), (100, 0)], ids=["global", "window", "left-window"])
 @pytest.mark.parametrize("masked", [False, True], ids=["all-keys", "key-mask"])
-@pytest.mark.parametrize(("head_dim", "kv_heads"), [(32, 4), (64, 2), (48, 1)], ids=["d32", "d64-gqa", "d48-mqa"])
+@pytest.mark.parametrize(("head_dim", "kv_heads"), [(32, 4), (64, 2), (48, 1), (256, 1)],
+                         ids=["d32", "d64-gqa", "d48-mqa", "d256-mqa"])  # 256: Gemma 3
 def test_matches_a_float64_reference(dtype: torch.dtype, causal: bool, window: tuple | None, masked: bool,
                                      head_dim: int, kv_heads: int, products: str) -> None:
     lens, q, k, v, mask = case(head_dim + kv_heads + causal, dtype, head_dim, kv_heads, masked)
@@ -198,7 +199,7 @@ def test_a_nan_in_one_sequence_stays_in_it(dtype: torch.dtype, products: str) ->
 
 
 @needs_kernel
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 def test_bf16_takes_the_dot_product_path_where_the_cpu_has_avx512_bf16(head_dim: int, products: str) -> None:
     """Under -march=native on a CPU with avx512_bf16, bf16 Q.K^T and P.V run as vdpbf16ps (P rounded to bf16); the
     result stays within two bf16 units of the float64 reference and close to the float32 path on the same inputs."""
@@ -217,7 +218,7 @@ def test_bf16_takes_the_dot_product_path_where_the_cpu_has_avx512_bf16(head_dim:
 
 
 @needs_kernel
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 def test_amx_tiles_where_the_cpu_has_amx_and_the_same_attention_as_vdpbf16ps(head_dim: int) -> None:
     """On a CPU with AMX (Sapphire Rapids and later) the bf16 path's Q.K^T and P.V run as tile products; they give
     the vdpbf16ps path's result within bf16 rounding (the same bf16 inputs and weights, another summation order)."""

@@ -322,6 +322,62 @@ def test_silu_mul_equals_act_times_up(dtype: torch.dtype) -> None:
             torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-6, equal_nan=True)  # 1 ulp
         else:
             torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-5, equal_nan=True)
-    gelu = fused.silu_mul(gate_up, nn.GELU())  # another activation: the torch path, exactly
+    mish = fused.silu_mul(gate_up, nn.Mish())  # an activation the kernel does not have: the torch path, exactly
     gate, up = gate_up.split(200, dim=-1)
-    assert torch.equal(gelu.nan_to_num(), (nn.GELU()(gate) * up).nan_to_num())
+    assert torch.equal(mish.nan_to_num(), (nn.Mish()(gate) * up).nan_to_num())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["gelu_pytorch_tanh", "gelu_new"])
+def test_gelu_mul_equals_act_times_up(dtype: torch.dtype, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GeGLU with the tanh GELU (Gemma's `gelu_pytorch_tanh`, BERT's `gelu_new` spelling) through the same one-pass
+    kernel, as g / (1 + e^-2u): within one rounding of the exact function (float64, rounded to the dtype, times up,
+    rounded), as close as PyTorch's own module in float32 and closer in bfloat16 (torch's `gelu_new` rounds each
+    step to bf16: a quarter of its outputs are a step or more off). The erf GELU keeps the torch path (the kernel's
+    erf loses relative accuracy in the negative tail)."""
+    from wde.components.models.activations import activation
+
+    act = activation(name)
+    g = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(45, 2 * 200, generator=g) * 4).to(dtype)
+    gate_up[0, :3] = torch.tensor([float("nan"), 100.0, -100.0])
+    calls = []
+    kernel = cpp_build.cpu_ops()
+    monkeypatch.setattr(cpp_build, "cpu_ops", lambda: calls.append(1) or kernel)
+    got = fused.silu_mul(gate_up, act)
+    gate, up = gate_up.split(200, dim=-1)
+    exact = (nn.functional.gelu(gate.double(), approximate="tanh").to(dtype).double() * up.double()).to(dtype)
+    assert calls and got.dtype == dtype and got.shape == exact.shape and got[0, 0].isnan()
+    erf = fused.silu_mul(gate_up, activation("gelu"))
+    assert torch.equal(erf.nan_to_num(), (activation("gelu")(gate) * up).nan_to_num())
+    ok = ~exact.isnan()
+    if dtype == torch.bfloat16:
+        assert (got[ok] != exact[ok]).float().mean() <= 0.05
+        torch.testing.assert_close(got[ok].float(), exact[ok].float(), rtol=2 ** -7, atol=1e-6)  # 1 ulp
+    else:
+        torch.testing.assert_close(got[ok], exact[ok], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[ok], (act(gate) * up)[ok], rtol=1e-5, atol=1e-5)  # tails: torch 0, here ~1e-6
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_rms_norm_equals_the_reference(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma's RMSNorm (`x * rsqrt(mean(x^2) + eps) * (1 + w)` in float32, no rounding between, cast to x's dtype)
+    through `add_rms_norm`'s kernel: the reference's values but for a rare 1-ulp step (float32's rsqrt)."""
+    g = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(37, 3 * 256, generator=g) * 3).to(dtype)
+    for x in (torch.randn(37, 768, generator=g).to(dtype) * 2, qkv[:, :512].view(37, 2, 256)):  # rows; q per head
+        weight = torch.randn(x.shape[-1], generator=g) * 0.3
+        calls = []
+        kernel = cpp_build.cpu_ops()
+        monkeypatch.setattr(cpp_build, "cpu_ops", lambda: calls.append(1) or kernel)
+        got = fused.gemma_rms_norm(x, weight, 1e-6)
+        xf = x.float()
+        want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + weight.float())).to(dtype)
+        assert calls and got.dtype == dtype and got.shape == x.shape
+        if dtype == torch.bfloat16:
+            assert (got != want).float().mean() <= 1e-3
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

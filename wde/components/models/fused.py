@@ -112,20 +112,32 @@ def _linear_rows(rows: int) -> int:
 
 
 def silu_mul(gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
-    """`act(gate) * up` of a fused gate|up projection's output [rows, 2m] (SwiGLU): one pass in the C++ kernel on CPU
-    where `act` is SiLU, else the torch ops. The kernel's output has storage for the rows the down projection pads
-    it to (`padded_rows`), so a oneDNN layer takes it without a copy."""
+    """`act(gate) * up` of a fused gate|up projection's output [rows, 2m] (SwiGLU, GeGLU): one pass in the C++ kernel
+    on CPU where `act` is SiLU or the tanh GELU (Gemma's GeGLU), else the torch ops (an erf GELU among them: the
+    kernel's erf loses the negative tail's relative accuracy). The kernel's output has storage for the
+    rows the down projection pads it to (`padded_rows`), so a oneDNN layer takes it without a copy."""
     m = gate_up.shape[-1] // 2
-    if (gate_up.device.type == "cpu" and _is_silu(act) and gate_up.dtype in (torch.float32, torch.bfloat16)
+    code = _gate_code(act)
+    if (gate_up.device.type == "cpu" and code is not None and gate_up.dtype in (torch.float32, torch.bfloat16)
             and gate_up.stride(-1) == 1 and not (torch.is_grad_enabled() and gate_up.requires_grad)):
         from wde.kernels.cpp_build import cpu_ops
 
         kernel = cpu_ops()
         if kernel is not None:
             flat = gate_up.reshape(-1, 2 * m)
-            return kernel.silu_mul(flat, _linear_rows(flat.shape[0])).view(*gate_up.shape[:-1], m)
+            return kernel.silu_mul(flat, _linear_rows(flat.shape[0]), code).view(*gate_up.shape[:-1], m)
     gate, up = gate_up.split(m, dim=-1)
     return act(gate) * up
+
+
+def _gate_code(act: nn.Module) -> int | None:
+    """The kernel's code for `act`: 0 SiLU, 2 tanh GELU; None for any other activation (torch runs it)."""
+    if _is_silu(act):
+        return 0
+    from wde.components.models.cpu_linear import post_op_for
+
+    op = post_op_for(act)
+    return 2 if op == ("gelu", "tanh") else None
 
 
 def _is_silu(act: nn.Module) -> bool:
@@ -134,6 +146,22 @@ def _is_silu(act: nn.Module) -> bool:
     kind = type(act)
     return kind is nn.SiLU or (kind.__name__ == "SiLUActivation"
                                and kind.__module__ in ("transformers.activations", "wde.components.models.activations"))
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: `x * rsqrt(mean(x^2) + eps) * (1 + weight)` in float32, cast back to x's dtype (no rounding
+    between the norm and the scale, unlike Llama's). One pass of `add_rms_norm`'s C++ kernel on CPU."""
+    scale = 1.0 + weight.float()
+    out_dtype = None if x.dtype == torch.float32 else x.dtype
+    if cpu_rms_fusable(x, None, scale, out_dtype):
+        from wde.kernels.cpp_build import cpu_ops
+
+        kernel = cpu_ops()
+        if kernel is not None:
+            view = x.unsqueeze(1) if x.dim() == 2 else x
+            return kernel.add_rms_norm(view, None, scale, eps, out_dtype, 0, False)[0].view(x.shape)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:

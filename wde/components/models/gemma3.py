@@ -37,6 +37,7 @@ from wde.components.model_input_builder import ModelInput
 from wde.components.models.base import PrefillModel
 from wde.components.models.config_view import ConfigView
 from wde.components.models.decoder_layers import DecoderModel, GatedMLP
+from wde.components.models.fused import gemma_rms_norm
 from wde.components.models.loader import fused_linear
 from wde.components.models.rotary import RotaryEmbedding
 from wde.errors import ModelLoadError
@@ -54,9 +55,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = float(eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).to(x.dtype)
+        return gemma_rms_norm(x, self.weight, self.eps)  # one C++ pass on CPU
 
 
 class Gemma3Attention(nn.Module):
@@ -125,7 +124,7 @@ class Gemma3TextModel(PrefillModel):
     (no backend caps scores) and layer kinds other than full / sliding attention, by name."""
 
     name = "gemma3"
-    uses_cpu_ops = True  # rotary (kernels/cpu_ops.cpp), built at load on CPU
+    uses_cpu_ops = True  # RMSNorm, rotary, GELU * up (kernels/cpu_ops.cpp), built at load on CPU
     checkpoint_prefixes = ("model.",)
     packed_modules_mapping = DecoderModel.packed_modules_mapping  # the same fused q|k|v and gate|up
     uses_attention_window = True
