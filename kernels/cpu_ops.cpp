@@ -14,6 +14,8 @@
 //   it to: one rounding either way) in storage with rows to spare for the layer's padding. x may be a strided view
 //   ([A, B, n], the last dimension contiguous). With round_normed false the normalized row is not rounded before
 //   the scale (Gemma's RMSNorm: `(x * rsqrt(...) * (1 + w)).to(x.dtype)` in float32).
+// norm_add_norm: Gemma 3's sandwich between blocks: the block's output norm, the residual add, the next norm, in one
+//   pass over each row (Gemma's RMSNorm: float32, no rounding before the scale, the result in its input's dtype).
 // norm_rotary: q or k of a fused q|k|v output ([T, H, d], strided) made ready for attention in one pass over each
 //   head's row: Qwen3's per-head RMSNorm (when given a weight), the half-split rotary embedding by [T, d] tables, the
 //   cast to the attention's dtype; each step rounded as the modules that compute it in turn round it.
@@ -765,6 +767,80 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at
   return {out};
 }
 
+// Gemma's sandwich: h = H(residual + X(x * r1 * w1)), out = O(h * r2 * w2), r the rows' rsqrt(mean(square) + eps):
+// a block's output norm, the residual add and the next norm (Gemma's RMSNorms: float32, no rounding before the
+// scale, w = 1 + weight given as float32) in three passes over a row while it sits in L1
+template <typename X, typename H, typename O>
+void norm_add_norm_impl(const X* xp, const H* rp, const float* w1, const float* w2, float eps1, float eps2,
+                        int64_t rows, int64_t n, O* op, H* hp) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const X* xr = xp + i * n;
+      const H* rr = rp + i * n;
+      H* hr = hp + i * n;
+      O* o = op + i * n;
+      vf sq = {};
+      float sqt = 0.f;
+      int64_t c = 0;
+      for (; c + VW <= n; c += VW) {
+        const vf v = vload(xr + c);
+        sq += v * v;
+      }
+      for (; c < n; ++c) sqt += static_cast<float>(xr[c]) * static_cast<float>(xr[c]);
+      for (int64_t l = 0; l < VW; ++l) sqt += sq[l];
+      const float r1 = 1.f / std::sqrt(sqt / static_cast<float>(n) + eps1);
+      sq = vf{};
+      sqt = 0.f;
+      for (c = 0; c + VW <= n; c += VW) {
+        const vf h = as_dtype<H>(vload(rr + c) + as_dtype<X>(vload(xr + c) * r1 * vload(w1 + c)));
+        vstore(hr + c, h);
+        sq += h * h;
+      }
+      for (; c < n; ++c) {
+        const float h = as_dtype1<H>(static_cast<float>(rr[c]) + as_dtype1<X>(static_cast<float>(xr[c]) * r1 * w1[c]));
+        hr[c] = static_cast<H>(h);
+        sqt += h * h;
+      }
+      for (int64_t l = 0; l < VW; ++l) sqt += sq[l];
+      const float r2 = 1.f / std::sqrt(sqt / static_cast<float>(n) + eps2);
+      for (c = 0; c + VW <= n; c += VW) vstore(o + c, as_dtype<O>(vload(hr + c) * r2 * vload(w2 + c)));
+      for (; c < n; ++c) o[c] = static_cast<O>(static_cast<float>(hr[c]) * r2 * w2[c]);
+    }
+  });
+}
+
+std::vector<at::Tensor> norm_add_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w1,
+                                      const at::Tensor& w2, double eps1, double eps2,
+                                      const c10::optional<at::ScalarType>& out_dtype, int64_t capacity) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && residual.sizes() == x.sizes()
+              && residual.is_contiguous(), "cpu_ops: x and the residual must be contiguous CPU [rows, n] tensors");
+  const auto t = x.scalar_type(), ht = residual.scalar_type();
+  TORCH_CHECK(low_or_float(t) && (ht == t || ht == at::kFloat), "cpu_ops: x must be float32 or bfloat16, the"
+              " residual of x's dtype or float32");
+  const int64_t rows = x.size(0), n = x.size(1);
+  for (const at::Tensor* w : {&w1, &w2})
+    TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->numel() == n,
+                "cpu_ops: the scales must be contiguous float32 [n]");
+  const auto ot = out_type(out_dtype, ht);
+  at::Tensor out = rows_tensor(x.sizes(), rows, n, capacity, x.options().dtype(ot));
+  at::Tensor h = at::empty(x.sizes(), x.options().dtype(ht));
+  with_type(t, [&](auto xv) {
+    with_type(ht, [&](auto hv) {
+      with_type(ot, [&](auto ov) {
+        using X = decltype(xv);
+        using H = decltype(hv);
+        if constexpr (std::is_same_v<X, H> || std::is_same_v<H, float>) {
+          norm_add_norm_impl<X, H, decltype(ov)>(x.data_ptr<X>(), residual.data_ptr<H>(), w1.data_ptr<float>(),
+                                                 w2.data_ptr<float>(), static_cast<float>(eps1),
+                                                 static_cast<float>(eps2), rows, n, out.data_ptr<decltype(ov)>(),
+                                                 h.data_ptr<H>());
+        }
+      });
+    });
+  });
+  return {out, h};
+}
+
 // Qwen3's per-head q/k RMSNorm (when a weight is given) and the half-split rotary embedding, then the cast to the
 // attention's dtype, in one pass over each head's row, as the modules compute them one after the other:
 //   y = P(w * X(x * rsqrt(mean(x^2) + eps)))        P = promote(X, W)   (y = x without a weight)
@@ -974,6 +1050,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("weight"), pybind11::arg("eps"),
         pybind11::arg("out_dtype") = pybind11::none(), pybind11::arg("capacity") = 0,
         pybind11::arg("round_normed") = true);
+  m.def("norm_add_norm", &norm_add_norm, "Gemma's norm, the residual add and the next norm in one pass (CPU)",
+        pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("w1"), pybind11::arg("w2"),
+        pybind11::arg("eps1"), pybind11::arg("eps2"), pybind11::arg("out_dtype") = pybind11::none(),
+        pybind11::arg("capacity") = 0);
   m.def("rotary", &rotary, "half-split rotary embedding of [T, H, d] by [T, d] tables (CPU)");
   m.def("norm_rotary", &norm_rotary, "per-head RMSNorm (optional), half-split rotary and a cast, in one pass (CPU)");
   m.def("silu_mul", &silu_mul, "act(gate) * up of a fused gate|up output, act SiLU (0) or tanh GELU (2) (CPU)",

@@ -381,3 +381,38 @@ def test_gemma_rms_norm_equals_the_reference(dtype: torch.dtype, monkeypatch: py
             torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
         else:
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32, None), (torch.bfloat16, torch.float32, torch.bfloat16),
+                                    (torch.bfloat16, torch.bfloat16, None), (torch.float32, torch.float32, None)],
+                         ids=["mixed", "mixed-bf16-out", "bf16", "fp32"])
+def test_gemma_sandwich_equals_norm_add_norm(dtypes: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3's sandwich in one kernel (`gemma_norm_add_norm`) against its modules in turn: the output norm, the
+    residual add, the next block's input norm (and the cast a linear layer makes): the new residual the same values
+    (float32: within float rounding), the normed output within one rounding, a NaN kept to its row."""
+    x_dtype, residual_dtype, out_dtype = dtypes
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(300, 768, generator=g) * 3).to(x_dtype)
+    x[17, 5] = float("nan")
+    residual = (torch.randn(300, 768, generator=g) * 20).to(residual_dtype)
+    post, pre = torch.randn(768, generator=g) * 0.3, torch.randn(768, generator=g) * 0.3
+    calls = []
+    kernel = cpp_build.cpu_ops()
+    monkeypatch.setattr(cpp_build, "cpu_ops", lambda: calls.append(1) or kernel)
+    got, h = fused.gemma_norm_add_norm(x, residual, post, 1e-6, pre, 1e-5, out_dtype)
+    assert calls
+    monkeypatch.setattr(cpp_build, "cpu_ops", lambda: None)  # the modules in turn
+    want_h = residual + fused.gemma_rms_norm(x, post, 1e-6)
+    want = fused.gemma_rms_norm(want_h, pre, 1e-5)
+    want = want if out_dtype is None else want.to(out_dtype)
+    assert h.dtype == want_h.dtype == residual_dtype and got.dtype == want.dtype
+    bad = ~want.isfinite().all(-1)
+    assert bad.sum() == 1 and torch.equal(~got.isfinite().all(-1), bad)
+    if want.dtype == torch.bfloat16:
+        torch.testing.assert_close(h[~bad].float(), want_h[~bad].float(), rtol=2 ** -7, atol=0)
+        assert (got[~bad] != want[~bad]).float().mean() <= 2e-3
+        torch.testing.assert_close(got[~bad].float(), want[~bad].float(), rtol=2 ** -7, atol=0)
+    else:
+        torch.testing.assert_close(h[~bad], want_h[~bad], rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(got[~bad], want[~bad], rtol=1e-5, atol=1e-5)

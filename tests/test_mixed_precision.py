@@ -112,6 +112,12 @@ def _m3(engine: Engine) -> dict[str, np.ndarray]:
     }
 
 
+def _gemma(folder: Path) -> Path:
+    from tests.test_embeddinggemma import build
+
+    return build(folder)
+
+
 Case = tuple[str, Callable[[Path], Path], list[str], Callable[[Engine], dict[str, np.ndarray]]]
 
 CASES: dict[str, Case] = {
@@ -125,6 +131,7 @@ CASES: dict[str, Case] = {
                         lambda d: tiny_decoders.build_qwen3(d / "m", tiny_decoders.qwen3_tokenizer(real=False)), [],
                         _dense),
     "bge_m3": ("bge_m3", tiny_heads.build_bge_m3, [], _m3),
+    "embeddinggemma": ("embeddinggemma", lambda d: _gemma(d), MEAN, _dense),
     "cross_encoder": ("bge_reranker_v2_m3", tiny_heads.build_xlmr_classifier, [],
                       lambda e: {"score": np.array(e.score(PAIRS))}),
     "qwen3_reranker": ("qwen3_reranker", lambda d: tiny_decoders.build_qwen3(

@@ -164,6 +164,30 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
 
 
+def gemma_norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, post_eps: float,
+                        pre: torch.Tensor, pre_eps: float,
+                        out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma 3's sandwich between blocks: `h = residual + gemma_rms_norm(x, post)`, then `gemma_rms_norm(h, pre)`
+    (the next block's input norm, or the final one); returns (that, h). `out_dtype` as `add_rms_norm`'s: the dtype
+    the linear layers taking the result cast it to. One pass of a C++ kernel over each row on CPU."""
+    lowp = (torch.float32, torch.bfloat16)
+    if (x.device.type == "cpu" and x.dtype in lowp and residual.dtype in (x.dtype, torch.float32)
+            and x.shape == residual.shape and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous()
+            and out_dtype in (None, torch.bfloat16) and post.shape == pre.shape == (x.shape[-1],)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, residual, post, pre)))):
+        from wde.kernels.cpp_build import cpu_ops
+
+        kernel = cpu_ops()
+        if kernel is not None:
+            capacity = 0 if out_dtype is None else _linear_rows(x.shape[0])
+            out, h = kernel.norm_add_norm(x, residual, 1.0 + post.float(), 1.0 + pre.float(), post_eps, pre_eps,
+                                          out_dtype, capacity)
+            return out, h
+    h = residual + gemma_rms_norm(x, post, post_eps)
+    out = gemma_rms_norm(h, pre, pre_eps)
+    return (out if out_dtype is None else out.to(out_dtype)), h
+
+
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     """Row-wise L2 normalization (`F.normalize(x, dim=-1)`)."""
     if x.is_cuda:

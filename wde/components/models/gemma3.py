@@ -37,7 +37,7 @@ from wde.components.model_input_builder import ModelInput
 from wde.components.models.base import PrefillModel
 from wde.components.models.config_view import ConfigView
 from wde.components.models.decoder_layers import DecoderModel, GatedMLP
-from wde.components.models.fused import gemma_rms_norm
+from wde.components.models.fused import gemma_norm_add_norm, gemma_rms_norm
 from wde.components.models.loader import fused_linear
 from wde.components.models.rotary import RotaryEmbedding
 from wde.errors import ModelLoadError
@@ -49,13 +49,17 @@ class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: `norm(x) * (1 + weight)` in float32, cast back to the input dtype (weights are stored
     zero-centred, so a fresh norm is the identity scale)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, feeds_linear: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = float(eps)
+        self.feeds_linear = feeds_linear
+        """Whether linear layers take this norm's output (a block's input norms; not the final norm)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemma_rms_norm(x, self.weight, self.eps)  # one C++ pass on CPU
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The norm (one C++ pass on CPU); `out_dtype` as `add_rms_norm`'s, where `feeds_linear`."""
+        out = gemma_rms_norm(x, self.weight, self.eps)
+        return out if out_dtype is None or not self.feeds_linear else out.to(out_dtype)
 
 
 class Gemma3Attention(nn.Module):
@@ -91,7 +95,7 @@ class Gemma3Attention(nn.Module):
 
 class Gemma3Layer(nn.Module):
     """`h = x + post_attn_norm(attn(input_norm(x)))`, then `h + post_ff_norm(mlp(pre_ff_norm(h)))`; a
-    `sliding_attention` layer has an `attention_window`."""
+    `sliding_attention` layer has an `attention_window`. Computed as the sandwiches between sub-blocks (`forward`)."""
 
     def __init__(self, cfg: object, backend: AttentionBackend, head_dim: int, rotary: RotaryEmbedding,
                  window: Window | None) -> None:
@@ -99,15 +103,27 @@ class Gemma3Layer(nn.Module):
         eps = cfg.rms_norm_eps
         self.self_attn = Gemma3Attention(cfg, backend, head_dim, rotary)
         self.mlp = GatedMLP(ConfigView(cfg, hidden_act=cfg.hidden_activation), bias=False)  # GeGLU
-        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, feeds_linear=True)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, feeds_linear=True)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.attention_window = window
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), meta))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+    def forward(self, normed: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, after: GemmaRMSNorm,
+                linear_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`normed` is `input_layernorm(x)` (the block before computed it); returns (`after(out)`, `out`) for this
+        block's output `out`, `after` being the next block's input norm or the final norm. Each norm after a
+        sub-block, the residual add and the norm before the next one are one kernel pass (`gemma_norm_add_norm`)."""
+        attn = self.self_attn(normed, meta)
+        normed, h = gemma_norm_add_norm(attn, x, *_w(self.post_attention_layernorm),
+                                        *_w(self.pre_feedforward_layernorm), linear_dtype)
+        mlp = self.mlp(normed)
+        return gemma_norm_add_norm(mlp, h, *_w(self.post_feedforward_layernorm), *_w(after),
+                                   linear_dtype if after.feeds_linear else None)
+
+
+def _w(norm: GemmaRMSNorm) -> tuple[torch.Tensor, float]:
+    return norm.weight, norm.eps
 
 
 def gemma3_window(cfg: object) -> Window:
@@ -162,6 +178,9 @@ class Gemma3TextModel(PrefillModel):
         windows = [layer.attention_window for layer in self.layers]
         metas = {w: self.attention_metadata(batch, None, w) for w in dict.fromkeys(windows)}
         x = self.embed_tokens(batch.input_ids) * self.embed_scale
-        for layer, window in zip(self.layers, windows):
-            x = layer(x, metas[window])
-        return self.norm(x)
+        linear_dtype = self.linear_input_dtype
+        normed = self.layers[0].input_layernorm(x, linear_dtype) if self.layers else x
+        afters = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, window, after in zip(self.layers, windows, afters):
+            normed, x = layer(normed, x, metas[window], after, linear_dtype)
+        return normed if self.layers else self.norm(x)
