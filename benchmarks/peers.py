@@ -301,7 +301,8 @@ def engine_env(engine: str) -> dict[str, str]:
            **ISA_CAP}
     env.pop("LD_PRELOAD", None)
     if engine == "vllm":
-        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 2) - 1}", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 2) - 1}",
+                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))  # GiB; 32k-token models: 6
         env["LD_PRELOAD"] = ":".join(vllm_preload())
     elif engine in WDE_DTYPES and ALLOCATOR[0] == "tcmalloc" and (tcmalloc := find_tcmalloc()) is not None:
         env["LD_PRELOAD"] = tcmalloc
