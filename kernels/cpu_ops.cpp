@@ -17,15 +17,14 @@
 // norm_add_norm: Gemma 3's sandwich between blocks: the block's output norm, the residual add, the next norm, in one
 //   pass over each row (Gemma's RMSNorm: float32, no rounding before the scale, the result in its input's dtype).
 // norm_rotary: q or k of a fused q|k|v output ([T, H, d], strided) made ready for attention in one pass over each
-//   head's row: Qwen3's per-head RMSNorm (when given a weight), the half-split rotary embedding by [T, d] tables, the
-//   cast to the attention's dtype; each step rounded as the modules that compute it in turn round it.
+//   head's row: Qwen3's per-head RMSNorm (when given a weight), the half-split rotary embedding by [T, d] tables
+//   (feature i pairs with i + d/2), the cast to the attention's dtype; each step rounded as the modules that compute
+//   it in turn round it (`x * cos + rotate_half(x) * sin`: each product and the sum). Without a weight and with x,
+//   the tables and the result of one dtype it is the plain rotary (`apply_rotary`), in one pass instead of six.
 // silu_mul: SiLU(gate) * up for gated MLPs (SwiGLU; or the tanh GELU: GeGLU), gate and up the two halves of a
 //   fused gate|up projection's output, float32 or bfloat16: the activation rounded to the dtype, then the product,
 //   as `act(gate) * up` computes it, in one pass instead of three, into storage with rows to spare for the down
 //   projection's padding.
-// rotary: rotary position embedding, half-split (feature i pairs with i + d/2), of x [T, H, d] (a strided view,
-//   its last dimension contiguous) by per-token tables cos, sin [T, d], all float32 or all bfloat16: each product
-//   and the sum rounded to the dtype as `x * cos + rotate_half(x) * sin` computes them, in one pass instead of six.
 //
 // The elementwise halves of WDE's int8 linear layer (wde/components/models/int8_linear.py):
 //
@@ -645,6 +644,23 @@ template <typename T> inline vf as_dtype(vf x) {
 }
 template <typename T> inline float as_dtype1(float x) { return static_cast<float>(static_cast<T>(x)); }
 
+// 1 / sqrt(mean square + eps) of a row of n from its sums of squares: 16 lanes and a scalar tail
+inline float rsqrt_mean(vf sq, float tail, int64_t n, float eps) {
+  for (int64_t i = 0; i < VW; ++i) tail += sq[i];
+  return 1.f / std::sqrt(tail / static_cast<float>(n) + eps);
+}
+template <typename T> inline float row_rsqrt(const T* x, int64_t n, float eps) {
+  vf sq = {};
+  float tail = 0.f;
+  int64_t c = 0;
+  for (; c + VW <= n; c += VW) {
+    const vf v = vload(x + c);
+    sq += v * v;
+  }
+  for (; c < n; ++c) tail += static_cast<float>(x[c]) * static_cast<float>(x[c]);
+  return rsqrt_mean(sq, tail, n, eps);
+}
+
 // one row: h = H(x + r) (written to hr where r is given), y = H(h * rsqrt(mean(h^2) + eps)), out = O(w * y). H is x's
 // dtype or, for a float32 residual (mixed precision), float32; O the promoted dtype or a lower one the caller asked for
 // (the linear layer that takes the output casts to it: one rounding either way)
@@ -669,8 +685,7 @@ inline void rms_row(const X* xr, const H* rr, const W* w, float eps, int64_t n, 
     }
     sqt += h * h;
   }
-  for (int64_t i = 0; i < VW; ++i) sqt += sq[i];
-  const float r = 1.f / std::sqrt(sqt / static_cast<float>(n) + eps);
+  const float r = rsqrt_mean(sq, sqt, n, eps);
   auto second = [&](const auto* src) {
     int64_t j = 0;
     for (; j + VW <= n; j += VW) {
@@ -779,19 +794,11 @@ void norm_add_norm_impl(const X* xp, const H* rp, const float* w1, const float* 
       const H* rr = rp + i * n;
       H* hr = hp + i * n;
       O* o = op + i * n;
+      const float r1 = row_rsqrt(xr, n, eps1);
       vf sq = {};
       float sqt = 0.f;
       int64_t c = 0;
       for (; c + VW <= n; c += VW) {
-        const vf v = vload(xr + c);
-        sq += v * v;
-      }
-      for (; c < n; ++c) sqt += static_cast<float>(xr[c]) * static_cast<float>(xr[c]);
-      for (int64_t l = 0; l < VW; ++l) sqt += sq[l];
-      const float r1 = 1.f / std::sqrt(sqt / static_cast<float>(n) + eps1);
-      sq = vf{};
-      sqt = 0.f;
-      for (c = 0; c + VW <= n; c += VW) {
         const vf h = as_dtype<H>(vload(rr + c) + as_dtype<X>(vload(xr + c) * r1 * vload(w1 + c)));
         vstore(hr + c, h);
         sq += h * h;
@@ -801,8 +808,7 @@ void norm_add_norm_impl(const X* xp, const H* rp, const float* w1, const float* 
         hr[c] = static_cast<H>(h);
         sqt += h * h;
       }
-      for (int64_t l = 0; l < VW; ++l) sqt += sq[l];
-      const float r2 = 1.f / std::sqrt(sqt / static_cast<float>(n) + eps2);
+      const float r2 = rsqrt_mean(sq, sqt, n, eps2);
       for (c = 0; c + VW <= n; c += VW) vstore(o + c, as_dtype<O>(vload(hr + c) * r2 * vload(w2 + c)));
       for (; c < n; ++c) o[c] = static_cast<O>(static_cast<float>(hr[c]) * r2 * w2[c]);
     }
@@ -854,54 +860,43 @@ void norm_rotary_impl(const at::Tensor& x, const W* wp, float eps, const C* cp, 
   const X* xp = x.data_ptr<X>();
   O* op = out.data_ptr<O>();
   at::parallel_for(0, t * nh, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> y(d);
+    std::vector<float> normed(wp ? d : 0);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t it = i / nh, ih = i % nh;
       const X* xr = xp + it * s0 + ih * s1;
-      float r = 1.f;
-      int64_t j = 0;
-      if (wp) {
-        vf sq = {};
-        float sqt = 0.f;
-        for (; j + VW <= d; j += VW) {
-          const vf v = vload(xr + j);
-          sq += v * v;
-        }
-        for (; j < d; ++j) {
-          const float v = static_cast<float>(xr[j]);
-          sqt += v * v;
-        }
-        for (int64_t l = 0; l < VW; ++l) sqt += sq[l];
-        r = 1.f / std::sqrt(sqt / static_cast<float>(d) + eps);
-      }
-      j = 0;
-      for (; j + VW <= d; j += VW) {
-        const vf v = vload(xr + j);
-        vstore(y.data() + j, wp ? as_dtype<P>(as_dtype<X>(v * r) * vload(wp + j)) : v);
-      }
-      for (; j < d; ++j) {
-        const float v = static_cast<float>(xr[j]);
-        y[j] = wp ? as_dtype1<P>(as_dtype1<X>(v * r) * static_cast<float>(wp[j])) : v;
-      }
       const C* c = cp + it * cs;
       const C* sn = sp + it * cs;
       O* o = op + i * d;
-      j = 0;
-      if (half % VW == 0) {
-        for (; j < half; j += VW) {
-          const vf a = vload(y.data() + j), b = vload(y.data() + half + j);
-          vstore(o + j, as_dtype<O>(as_dtype<R>(as_dtype<R>(a * vload(c + j)) + as_dtype<R>(-b * vload(sn + j)))));
-          vstore(o + half + j, as_dtype<O>(as_dtype<R>(as_dtype<R>(b * vload(c + half + j)) +
-                                                       as_dtype<R>(a * vload(sn + half + j)))));
+      // y: the normed row (float32 values of P) or x itself; o = O(R(R(y * cos) + R(rotate_half(y) * sin)))
+      auto rotate = [&](const auto* y) {
+        int64_t j = 0;
+        if (half % VW == 0) {
+          for (; j < half; j += VW) {
+            const vf a = vload(y + j), b = vload(y + half + j);
+            vstore(o + j, as_dtype<O>(as_dtype<R>(as_dtype<R>(a * vload(c + j)) + as_dtype<R>(-b * vload(sn + j)))));
+            vstore(o + half + j, as_dtype<O>(as_dtype<R>(as_dtype<R>(b * vload(c + half + j)) +
+                                                         as_dtype<R>(a * vload(sn + half + j)))));
+          }
         }
+        for (; j < half; ++j) {
+          const float a = static_cast<float>(y[j]), b = static_cast<float>(y[half + j]);
+          o[j] = static_cast<O>(as_dtype1<R>(as_dtype1<R>(a * static_cast<float>(c[j])) +
+                                             as_dtype1<R>(-b * static_cast<float>(sn[j]))));
+          o[half + j] = static_cast<O>(as_dtype1<R>(as_dtype1<R>(b * static_cast<float>(c[half + j])) +
+                                                    as_dtype1<R>(a * static_cast<float>(sn[half + j]))));
+        }
+      };
+      if (!wp) {
+        rotate(xr);
+        continue;
       }
-      for (; j < half; ++j) {
-        const float a = y[j], b = y[half + j];
-        o[j] = static_cast<O>(as_dtype1<R>(as_dtype1<R>(a * static_cast<float>(c[j])) +
-                                           as_dtype1<R>(-b * static_cast<float>(sn[j]))));
-        o[half + j] = static_cast<O>(as_dtype1<R>(as_dtype1<R>(b * static_cast<float>(c[half + j])) +
-                                                  as_dtype1<R>(a * static_cast<float>(sn[half + j]))));
-      }
+      const float r = row_rsqrt(xr, d, eps);
+      int64_t j = 0;
+      for (; j + VW <= d; j += VW)
+        vstore(normed.data() + j, as_dtype<P>(as_dtype<X>(vload(xr + j) * r) * vload(wp + j)));
+      for (; j < d; ++j)
+        normed[j] = as_dtype1<P>(as_dtype1<X>(static_cast<float>(xr[j]) * r) * static_cast<float>(wp[j]));
+      rotate(normed.data());
     }
   });
 }
@@ -940,58 +935,6 @@ at::Tensor norm_rotary(const at::Tensor& x, const c10::optional<at::Tensor>& wei
       });
     });
   });
-  return out;
-}
-
-// out = T(T(x * cos) + T(rotate_half(x) * sin)), rotate_half(x) = (-x[d/2:], x[:d/2])
-template <typename T>
-void rotary_impl(const at::Tensor& x, const T* cp, const T* sp, int64_t cs, at::Tensor& out) {
-  const int64_t t = x.size(0), h = x.size(1), d = x.size(2), half = d / 2;
-  const int64_t s0 = x.stride(0), s1 = x.stride(1);
-  const T* xp = x.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, t * h, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t it = i / h, ih = i % h;
-      const T* xr = xp + it * s0 + ih * s1;
-      const T* c = cp + it * cs;
-      const T* sn = sp + it * cs;
-      T* o = op + i * d;
-      int64_t j = 0;
-      if (half % VW == 0) {
-        for (; j < half; j += VW) {
-          const vf a = vload(xr + j), b = vload(xr + half + j);
-          vstore(o + j, as_dtype<T>(as_dtype<T>(a * vload(c + j)) + as_dtype<T>(-b * vload(sn + j))));
-          vstore(o + half + j,
-                 as_dtype<T>(as_dtype<T>(b * vload(c + half + j)) + as_dtype<T>(a * vload(sn + half + j))));
-        }
-      }
-      for (; j < half; ++j) {
-        const float a = static_cast<float>(xr[j]), b = static_cast<float>(xr[half + j]);
-        o[j] = static_cast<T>(as_dtype1<T>(a * static_cast<float>(c[j])) +
-                              as_dtype1<T>(-b * static_cast<float>(sn[j])));
-        o[half + j] = static_cast<T>(as_dtype1<T>(b * static_cast<float>(c[half + j])) +
-                                     as_dtype1<T>(a * static_cast<float>(sn[half + j])));
-      }
-    }
-  });
-}
-
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
-              "cpu_ops: x must be a CPU [T, H, d] tensor, d even, its last dimension contiguous");
-  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.strides() == sin.strides() && cos.size(0) == x.size(0)
-              && cos.size(1) == x.size(2) && cos.stride(1) == 1, "cpu_ops: cos and sin must be [T, d] like x");
-  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
-              "cpu_ops: x, cos and sin must have one dtype");
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  if (x.scalar_type() == at::kFloat) {
-    rotary_impl<float>(x, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0), out);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    rotary_impl<c10::BFloat16>(x, cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(), cos.stride(0), out);
-  } else {
-    TORCH_CHECK(false, "cpu_ops: x must be float32 or bfloat16");
-  }
   return out;
 }
 
@@ -1054,7 +997,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("w1"), pybind11::arg("w2"),
         pybind11::arg("eps1"), pybind11::arg("eps2"), pybind11::arg("out_dtype") = pybind11::none(),
         pybind11::arg("capacity") = 0);
-  m.def("rotary", &rotary, "half-split rotary embedding of [T, H, d] by [T, d] tables (CPU)");
   m.def("norm_rotary", &norm_rotary, "per-head RMSNorm (optional), half-split rotary and a cast, in one pass (CPU)");
   m.def("silu_mul", &silu_mul, "act(gate) * up of a fused gate|up output, act SiLU (0) or tanh GELU (2) (CPU)",
         pybind11::arg("gate_up"), pybind11::arg("capacity") = 0, pybind11::arg("act") = 0);

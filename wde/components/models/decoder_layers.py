@@ -20,7 +20,7 @@ from wde.components.models.activations import activation
 from wde.components.models.base import PrefillModel
 from wde.components.models.fused import add_rms_norm, silu_mul
 from wde.components.models.loader import fused_linear
-from wde.components.models.rotary import (  # noqa: F401 (RotaryEmbedding, apply_rotary re-exported)
+from wde.components.models.rotary import (  # noqa: F401 (the first three re-exported)
     STATIC_ROPE_TYPES, RotaryEmbedding, apply_rotary, norm_rotary)
 from wde.errors import ModelLoadError
 
@@ -57,15 +57,9 @@ class DecoderAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q_norm, k_norm = self.qk_norms()
-        if cos.shape[-1] == self.head_dim:  # every feature rotates: norm, rotary and the cast in one pass on CPU
-            q = norm_rotary(q.reshape(-1, self.num_heads, self.head_dim), *_weight_eps(q_norm), cos, sin, v.dtype)
-            k = norm_rotary(k.reshape(-1, self.num_kv_heads, self.head_dim), *_weight_eps(k_norm), cos, sin, v.dtype)
-        else:
-            q, k = q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim)
-            if q_norm is not None and k_norm is not None:
-                q, k = q_norm(q)[0], k_norm(k)[0]
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q_norm, k_norm = self.qk_norms()  # norm, rotary and the cast to v's dtype: one pass on CPU
+        q = norm_rotary(q.reshape(-1, self.num_heads, self.head_dim), *_weight_eps(q_norm), cos, sin, v.dtype)
+        k = norm_rotary(k.reshape(-1, self.num_kv_heads, self.head_dim), *_weight_eps(k_norm), cos, sin, v.dtype)
         return self.attend(q, k, v, meta)
 
     def qk_norms(self) -> tuple[RMSNorm | None, RMSNorm | None]:

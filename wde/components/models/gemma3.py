@@ -179,8 +179,8 @@ class Gemma3TextModel(PrefillModel):
         metas = {w: self.attention_metadata(batch, None, w) for w in dict.fromkeys(windows)}
         x = self.embed_tokens(batch.input_ids) * self.embed_scale
         linear_dtype = self.linear_input_dtype
-        normed = self.layers[0].input_layernorm(x, linear_dtype) if self.layers else x
-        afters = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, window, after in zip(self.layers, windows, afters):
+        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]  # each block's input, then the final
+        normed = norms[0](x, linear_dtype)
+        for layer, window, after in zip(self.layers, windows, norms[1:]):
             normed, x = layer(normed, x, metas[window], after, linear_dtype)
-        return normed if self.layers else self.norm(x)
+        return normed

@@ -124,12 +124,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     `rotary_dim < head_dim` only the first `rotary_dim` features rotate; the others are returned unchanged.
     """
     d = cos.shape[-1]
-    if not interleaved and d == x.shape[-1] and _cpu_rotary_fits(x, cos, sin):
-        from wde.kernels.cpp_build import cpu_ops
-
-        kernel = cpu_ops()
-        if kernel is not None:  # one pass instead of six (kernels/cpu_ops.cpp), the same roundings
-            return kernel.rotary(x, cos.reshape(cos.shape[0], d), sin.reshape(sin.shape[0], d))
+    if not interleaved and cos.dtype == x.dtype:  # one pass instead of six (kernels/cpu_ops.cpp), the same roundings
+        rotated = _kernel_norm_rotary(x, None, 0.0, cos, sin, x.dtype)
+        if rotated is not None:
+            return rotated
     if d < x.shape[-1]:
         return torch.cat((_rotate(x[..., :d], cos, sin, interleaved), x[..., d:]), dim=-1)
     return _rotate(x, cos, sin, interleaved)
@@ -142,18 +140,28 @@ def norm_rotary(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: t
     cast to `dtype` (the attention's). On CPU one C++ pass over each head's row computes what those three steps do
     in turn, the roundings included (in a mixed-precision model x is bfloat16 and the norm weight and tables
     float32: the steps run in float32 and only the result is rounded); elsewhere the three steps run."""
-    if _cpu_norm_rotary_fits(x, weight, cos, sin, dtype):
-        from wde.kernels.cpp_build import cpu_ops
-
-        kernel = cpu_ops()
-        if kernel is not None:
-            d = x.shape[-1]
-            return kernel.norm_rotary(x, weight, eps, cos.reshape(cos.shape[0], d), sin.reshape(sin.shape[0], d), dtype)
+    rotated = _kernel_norm_rotary(x, weight, eps, cos, sin, dtype)
+    if rotated is not None:
+        return rotated
     if weight is not None:
         from wde.components.models.fused import add_rms_norm
 
         x = add_rms_norm(x, None, weight, eps)[0]
     return apply_rotary(x, cos, sin).to(dtype)
+
+
+def _kernel_norm_rotary(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                        sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """`norm_rotary` through the C++ kernel, or None where it does not take the call or is not built."""
+    if not _cpu_norm_rotary_fits(x, weight, cos, sin, dtype):
+        return None
+    from wde.kernels.cpp_build import cpu_ops
+
+    kernel = cpu_ops()
+    if kernel is None:
+        return None
+    d = x.shape[-1]
+    return kernel.norm_rotary(x, weight, eps, cos.reshape(cos.shape[0], d), sin.reshape(sin.shape[0], d), dtype)
 
 
 def _cpu_norm_rotary_fits(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -170,15 +178,6 @@ def _cpu_norm_rotary_fits(x: torch.Tensor, weight: torch.Tensor | None, cos: tor
             and x.shape[-1] % 2 == 0 and cos.stride(-1) == 1 and sin.stride(-1) == 1
             and (weight is None or (weight.dtype in lowp and weight.shape == (x.shape[-1],) and weight.is_contiguous()))
             and not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))))
-
-
-def _cpu_rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether the C++ kernel takes this call: CPU, x [tokens, heads, d] with its last dimension contiguous, cos and
-    sin [tokens, 1, d] of x's dtype (float32 or bfloat16), inference."""
-    return (x.device.type == "cpu" and x.dim() == 3 and x.stride(-1) == 1 and x.dtype in (torch.float32, torch.bfloat16)
-            and cos.dtype == x.dtype and sin.dtype == x.dtype and cos.dim() == 3 and cos.shape[1] == 1
-            and cos.shape == sin.shape and cos.shape[0] == x.shape[0] and cos.stride(-1) == 1 and sin.stride(-1) == 1
-            and not (torch.is_grad_enabled() and x.requires_grad))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
