@@ -72,8 +72,8 @@ struct Packed {  // a [tokens, heads, d] tensor with unit stride on d
   T* row(int64_t token, int64_t head) const { return p + token * st + head * sh; }
 };
 
-struct Task {  // query blocks [b0, b1) of one sequence and head
-  int64_t seq, head, b0, b1, cost;
+struct Task {  // query blocks [b0, b1) of one sequence, for every query head that reads key/value head kvh
+  int64_t seq, kvh, b0, b1, cost;
 };
 
 typedef float vf __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register, two AVX2 ones
@@ -809,8 +809,9 @@ inline std::pair<int64_t, int64_t> key_range(const Problem& pb, int64_t len, int
   return {kc0, std::max(kc0, kc1)};
 }
 
-// (sequence, head, run of query blocks) tasks, longest first: a (sequence, head) is cut into runs only as far as
-// needed for no task to exceed 1/4 of a thread's share of the work
+// (sequence, key/value head, run of query blocks) tasks, longest first: a task's keys and values are converted once
+// for all the query heads of its group (GQA: Qwen3's 16 query heads read 8 key/value heads); a (sequence, kv head)
+// is cut into runs only as far as needed for no task to exceed 1/4 of a thread's share of the work
 std::vector<Task> plan(const Problem& pb, int64_t nseq, int64_t threads) {
   std::vector<int64_t> cost(nseq);
   int64_t total = 0;
@@ -818,8 +819,8 @@ std::vector<Task> plan(const Problem& pb, int64_t nseq, int64_t threads) {
     const int64_t len = pb.cu[sidx + 1] - pb.cu[sidx];
     const int64_t left = std::min(pb.left, len), right = pb.causal ? 0 : std::min(pb.right, len);
     const int64_t keys = pb.causal && left == len ? len / 2 + 1 : std::min(len, left + right + 1);  // per row
-    cost[sidx] = len * std::max<int64_t>(1, keys);
-    total += cost[sidx] * pb.hq;
+    cost[sidx] = len * std::max<int64_t>(1, keys) * (pb.hq / pb.hk);  // per kv head: its group's query heads
+    total += cost[sidx] * pb.hk;
   }
   const int64_t cap = threads > 1 ? std::max<int64_t>(1, total / (4 * threads)) : std::numeric_limits<int64_t>::max();
   std::vector<Task> tasks;
@@ -828,7 +829,7 @@ std::vector<Task> plan(const Problem& pb, int64_t nseq, int64_t threads) {
     const int64_t blocks = (len + QB - 1) / QB;
     if (blocks == 0) continue;
     const int64_t runs = std::clamp<int64_t>(cost[sidx] / cap + (cost[sidx] % cap != 0), 1, blocks);
-    for (int64_t h = 0; h < pb.hq; ++h)
+    for (int64_t h = 0; h < pb.hk; ++h)
       for (int64_t r = 0; r < runs; ++r) {
         const int64_t b0 = blocks * r / runs, b1 = blocks * (r + 1) / runs;
         tasks.push_back({sidx, h, b0, b1, cost[sidx] * (b1 - b0) / blocks});
@@ -844,9 +845,9 @@ template <typename scalar_t>
 void prefetch_task(const Problem& pb, const Packed<const scalar_t>& q, const Packed<const scalar_t>& k,
                    const Packed<const scalar_t>& v, const Task& task) {
   const int64_t start = pb.cu[task.seq], len = pb.cu[task.seq + 1] - start;
-  const int64_t kvh = task.head / (pb.hq / pb.hk);
-  for (int64_t r = task.b0 * QB; r < std::min(len, task.b0 * QB + QB); ++r)
-    __builtin_prefetch(q.row(start + r, task.head), 0, 2);
+  const int64_t kvh = task.kvh;
+  for (int64_t r = task.b0 * QB; r < std::min(len, task.b0 * QB + QB); ++r)  // the group's first query head
+    __builtin_prefetch(q.row(start + r, kvh * (pb.hq / pb.hk)), 0, 2);
   const int64_t kc0 = key_range(pb, len, task.b0 * QB, std::min(len, task.b1 * QB)).first;
   for (int64_t j = kc0; j < std::min(len, kc0 + 2 * QB); ++j) {
     __builtin_prefetch(k.row(start + j, kvh), 0, 2);
@@ -885,20 +886,22 @@ void run(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::
       const Task& task = tasks[t];
       const int64_t start = pb.cu[task.seq], len = pb.cu[task.seq + 1] - start;
       const auto [kc0, kc1] = key_range(pb, len, task.b0 * QB, std::min(len, task.b1 * QB));
-      const int64_t kvh = task.head / (pb.hq / pb.hk);
+      const int64_t kvh = task.kvh, group = pb.hq / pb.hk, h0 = kvh * group;
 #ifdef __AVX512BF16__
       if constexpr (DP) {
         for (int64_t r = task.b0 * QB; r < std::min(len, task.b0 * QB + QB); ++r)  // the first block's queries
-          _mm_prefetch(reinterpret_cast<const char*>(qp.row(start + r, task.head)), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(qp.row(start + r, h0)), _MM_HINT_T0);
         load_kv_dp<scalar_t, D>(pb, kp, vp, start, kvh, kc0, kc1, kv);
-        for (int64_t b = task.b0; b < task.b1; ++b)
-          attend_block_dp<scalar_t, D>(pb, qp, op, kv, start, len, b * QB, task.head, kc0, kc1, amx);
+        for (int64_t h = h0; h < h0 + group; ++h)
+          for (int64_t b = task.b0; b < task.b1; ++b)
+            attend_block_dp<scalar_t, D>(pb, qp, op, kv, start, len, b * QB, h, kc0, kc1, amx);
         continue;
       }
 #endif
       load_kv<scalar_t, D>(pb, kp, vp, start, kvh, kc0, kc1, kv);
-      for (int64_t b = task.b0; b < task.b1; ++b)
-        attend_block<scalar_t, D>(pb, qp, op, kv, start, len, b * QB, task.head, kc0, kc1);
+      for (int64_t h = h0; h < h0 + group; ++h)
+        for (int64_t b = task.b0; b < task.b1; ++b)
+          attend_block<scalar_t, D>(pb, qp, op, kv, start, len, b * QB, h, kc0, kc1);
     }
 #ifdef WDE_AMX
     if (amx) _tile_release();
@@ -995,7 +998,7 @@ int64_t parallel_workers() {
 }
 
 // the tasks a call with these sequences, query heads and mask would run on `threads` threads, in the order they are
-// taken: (sequence, head, first query block, end query block) each
+// taken: (sequence, head, first query block, end query block) each (one key/value head per query head here)
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> plan_tasks(const at::Tensor& cu_seqlens, int64_t heads,
                                                                        bool causal, int64_t left, int64_t right,
                                                                        int64_t threads) {
@@ -1004,7 +1007,7 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> plan_tasks(const at:
   const Problem pb{cu_seqlens.data_ptr<int64_t>(), nullptr, heads, heads, 0, left < 0 ? NONE : left,
                    right < 0 ? NONE : right, causal, 1.f};
   std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
-  for (const Task& t : plan(pb, cu_seqlens.numel() - 1, threads)) out.emplace_back(t.seq, t.head, t.b0, t.b1);
+  for (const Task& t : plan(pb, cu_seqlens.numel() - 1, threads)) out.emplace_back(t.seq, t.kvh, t.b0, t.b1);
   return out;
 }
 
