@@ -18,6 +18,16 @@ from wde.kernels import cpp_build
 needs_kernel = pytest.mark.skipif(cpp_build.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """`cpp_build.cpu_ops` counted: the list grows each time code asks for the kernels, so a test can tell the
+    kernel's path from PyTorch's (which gives the same values)."""
+    calls: list[int] = []
+    kernel = cpp_build.cpu_ops()
+    monkeypatch.setattr(cpp_build, "cpu_ops", lambda: calls.append(1) or kernel)
+    return calls
+
+
 def norm(width: int, bias: bool = True, affine: bool = True) -> nn.LayerNorm:
     ln = nn.LayerNorm(width, eps=1e-12, bias=bias, elementwise_affine=affine)
     g = torch.Generator().manual_seed(width)
@@ -118,19 +128,16 @@ def rms_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
 @pytest.mark.parametrize("shape", [(37, 1024), (5, 3, 130), (19, 16, 128), (4, 7)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_add_rms_norm_equals_the_reference(dtype: torch.dtype, weight_dtype: torch.dtype, shape: tuple[int, ...],
-                                           with_residual: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+                                           with_residual: bool, kernel_calls: list[int]) -> None:
     """The kernel's output and new residual against the reference: bfloat16 the same values (a rare 1-ulp step where
     the float32 mean square rounds the other way), float32 within float rounding; dtypes as PyTorch promotes them."""
     g = torch.Generator().manual_seed(len(shape) + shape[-1])
     x = (torch.randn(shape, generator=g) * 3).to(dtype)
     residual = torch.randn(shape, generator=g).to(dtype) if with_residual else None
     weight = (torch.rand(shape[-1], generator=g) + 0.5).to(weight_dtype)
-    calls = []
-    kernel = cpp_build.cpu_ops()
-    monkeypatch.setattr(cpp_build, "cpu_ops", lambda: calls.append(1) or kernel)
     got, h = fused.add_rms_norm(x, residual, weight, 1e-6)
     want, want_h = rms_reference(x, residual, weight, 1e-6)
-    assert calls, "the kernel was not called"
+    assert kernel_calls, "the kernel was not called"
     assert got.dtype == want.dtype and got.shape == want.shape and h.dtype == x.dtype
     assert torch.equal(h, want_h) and (residual is not None or h is x)
     if got.dtype == torch.bfloat16:
@@ -163,7 +170,8 @@ def test_add_rms_norm_of_a_strided_per_head_view_and_non_finite_rows() -> None:
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
 def test_add_rms_norm_of_a_low_precision_output_and_a_float32_residual(x_dtype: torch.dtype, shape: tuple[int, ...],
                                                                        out_dtype: torch.dtype | None,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       kernel_calls: list[int]) -> None:
     """A mixed-precision decoder's layer: a bfloat16 linear output added to the float32 residual stream (the sum in
     float32, as PyTorch promotes it), normed with a float32 weight; with `out_dtype` the output comes in the dtype the
     next linear layer casts it to, with storage for the rows a oneDNN layer pads it to, so that layer copies
@@ -174,12 +182,9 @@ def test_add_rms_norm_of_a_low_precision_output_and_a_float32_residual(x_dtype: 
     x = (torch.randn(shape, generator=g) * 3).to(x_dtype)
     residual = torch.randn(shape, generator=g) * 2
     weight = torch.rand(shape[-1], generator=g) + 0.5
-    calls = []
-    kernel = cpp_build.cpu_ops()
-    monkeypatch.setattr(cpp_build, "cpu_ops", lambda: calls.append(1) or kernel)
     got, h = fused.add_rms_norm(x, residual, weight, 1e-6, out_dtype)
     want, want_h = rms_reference(x, residual, weight, 1e-6)
-    assert calls, "the kernel was not called"
+    assert kernel_calls, "the kernel was not called"
     assert h.dtype == torch.float32 and torch.equal(h, want_h)
     if out_dtype is None:
         assert got.dtype == torch.float32
@@ -219,7 +224,7 @@ def norm_rotary_reference(x: torch.Tensor, weight: torch.Tensor | None, cos: tor
 ], ids=["qwen3-mixed", "llama-mixed", "qwen3-bf16", "llama-bf16", "qwen3-fp32", "llama-fp32"])
 @pytest.mark.parametrize("heads_dim", [(16, 128), (3, 40)])  # 40: a half (20) not a multiple of 16
 def test_norm_rotary_equals_the_modules_in_turn(dtypes: tuple, heads_dim: tuple[int, int],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                                kernel_calls: list[int]) -> None:
     """`norm_rotary` (one C++ pass) against the q/k norm, the rotary embedding and the cast to the attention's dtype
     computed one after the other, on a strided per-head slice of a fused q|k|v output with a NaN and an infinity in
     two rows: low-precision results the same values but for rare 1-ulp steps (float32's rsqrt against 1 / sqrt),
@@ -235,12 +240,9 @@ def test_norm_rotary_equals_the_modules_in_turn(dtypes: tuple, heads_dim: tuple[
     x = qkv[:, :heads * d].view(-1, heads, d)
     weight = None if w_dtype is None else (torch.rand(d, generator=g) + 0.5).to(w_dtype)
     cos, sin = RotaryEmbedding(d, 1e6)(torch.arange(53) * 17, table_dtype)
-    calls = []
-    kernel = cpp_build.cpu_ops()
-    monkeypatch.setattr(cpp_build, "cpu_ops", lambda: calls.append(1) or kernel)
     got = norm_rotary(x, weight, 1e-6, cos, sin, out_dtype)
     want = norm_rotary_reference(x, weight, cos, sin, out_dtype)
-    assert calls, "the kernel was not called"
+    assert kernel_calls, "the kernel was not called"
     assert got.dtype == want.dtype == out_dtype and got.shape == x.shape and got.is_contiguous()
     bad = ~want.isfinite().all(-1)
     assert bad.sum() == 2 and torch.equal(~got.isfinite().all(-1), bad)
@@ -330,7 +332,7 @@ def test_silu_mul_equals_act_times_up(dtype: torch.dtype) -> None:
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["gelu_pytorch_tanh", "gelu_new"])
-def test_gelu_mul_equals_act_times_up(dtype: torch.dtype, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gelu_mul_equals_act_times_up(dtype: torch.dtype, name: str, kernel_calls: list[int]) -> None:
     """GeGLU with the tanh GELU (Gemma's `gelu_pytorch_tanh`, BERT's `gelu_new` spelling) through the same one-pass
     kernel, as g / (1 + e^-2u): within one rounding of the exact function (float64, rounded to the dtype, times up,
     rounded), as close as PyTorch's own module in float32 and closer in bfloat16 (torch's `gelu_new` rounds each
@@ -342,13 +344,10 @@ def test_gelu_mul_equals_act_times_up(dtype: torch.dtype, name: str, monkeypatch
     g = torch.Generator().manual_seed(2)
     gate_up = (torch.randn(45, 2 * 200, generator=g) * 4).to(dtype)
     gate_up[0, :3] = torch.tensor([float("nan"), 100.0, -100.0])
-    calls = []
-    kernel = cpp_build.cpu_ops()
-    monkeypatch.setattr(cpp_build, "cpu_ops", lambda: calls.append(1) or kernel)
     got = fused.silu_mul(gate_up, act)
     gate, up = gate_up.split(200, dim=-1)
     exact = (nn.functional.gelu(gate.double(), approximate="tanh").to(dtype).double() * up.double()).to(dtype)
-    assert calls and got.dtype == dtype and got.shape == exact.shape and got[0, 0].isnan()
+    assert kernel_calls and got.dtype == dtype and got.shape == exact.shape and got[0, 0].isnan()
     erf = fused.silu_mul(gate_up, activation("gelu"))
     assert torch.equal(erf.nan_to_num(), (activation("gelu")(gate) * up).nan_to_num())
     ok = ~exact.isnan()
@@ -362,20 +361,18 @@ def test_gelu_mul_equals_act_times_up(dtype: torch.dtype, name: str, monkeypatch
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemma_rms_norm_equals_the_reference(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gemma_rms_norm_equals_the_reference(dtype: torch.dtype, kernel_calls: list[int]) -> None:
     """Gemma's RMSNorm (`x * rsqrt(mean(x^2) + eps) * (1 + w)` in float32, no rounding between, cast to x's dtype)
     through `add_rms_norm`'s kernel: the reference's values but for a rare 1-ulp step (float32's rsqrt)."""
     g = torch.Generator().manual_seed(5)
     qkv = (torch.randn(37, 3 * 256, generator=g) * 3).to(dtype)
     for x in (torch.randn(37, 768, generator=g).to(dtype) * 2, qkv[:, :512].view(37, 2, 256)):  # rows; q per head
         weight = torch.randn(x.shape[-1], generator=g) * 0.3
-        calls = []
-        kernel = cpp_build.cpu_ops()
-        monkeypatch.setattr(cpp_build, "cpu_ops", lambda: calls.append(1) or kernel)
+        kernel_calls.clear()
         got = fused.gemma_rms_norm(x, weight, 1e-6)
         xf = x.float()
         want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + weight.float())).to(dtype)
-        assert calls and got.dtype == dtype and got.shape == x.shape
+        assert kernel_calls and got.dtype == dtype and got.shape == x.shape
         if dtype == torch.bfloat16:
             assert (got != want).float().mean() <= 1e-3
             torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
@@ -387,7 +384,8 @@ def test_gemma_rms_norm_equals_the_reference(dtype: torch.dtype, monkeypatch: py
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32, None), (torch.bfloat16, torch.float32, torch.bfloat16),
                                     (torch.bfloat16, torch.bfloat16, None), (torch.float32, torch.float32, None)],
                          ids=["mixed", "mixed-bf16-out", "bf16", "fp32"])
-def test_gemma_sandwich_equals_norm_add_norm(dtypes: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gemma_sandwich_equals_norm_add_norm(dtypes: tuple, monkeypatch: pytest.MonkeyPatch,
+                                             kernel_calls: list[int]) -> None:
     """Gemma 3's sandwich in one kernel (`gemma_norm_add_norm`) against its modules in turn: the output norm, the
     residual add, the next block's input norm (and the cast a linear layer makes): the new residual the same values
     (float32: within float rounding), the normed output within one rounding, a NaN kept to its row."""
@@ -397,11 +395,8 @@ def test_gemma_sandwich_equals_norm_add_norm(dtypes: tuple, monkeypatch: pytest.
     x[17, 5] = float("nan")
     residual = (torch.randn(300, 768, generator=g) * 20).to(residual_dtype)
     post, pre = torch.randn(768, generator=g) * 0.3, torch.randn(768, generator=g) * 0.3
-    calls = []
-    kernel = cpp_build.cpu_ops()
-    monkeypatch.setattr(cpp_build, "cpu_ops", lambda: calls.append(1) or kernel)
     got, h = fused.gemma_norm_add_norm(x, residual, post, 1e-6, pre, 1e-5, out_dtype)
-    assert calls
+    assert kernel_calls
     monkeypatch.setattr(cpp_build, "cpu_ops", lambda: None)  # the modules in turn
     want_h = residual + fused.gemma_rms_norm(x, post, 1e-6)
     want = fused.gemma_rms_norm(want_h, pre, 1e-5)
