@@ -997,14 +997,16 @@ int64_t parallel_workers() {
   return workers;
 }
 
-// the tasks a call with these sequences, query heads and mask would run on `threads` threads, in the order they are
-// taken: (sequence, head, first query block, end query block) each (one key/value head per query head here)
+// the tasks a call with these sequences, query heads, key/value heads (-1: one per query head) and mask would run on
+// `threads` threads, in the order they are taken: (sequence, key/value head, first query block, end query block) each
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> plan_tasks(const at::Tensor& cu_seqlens, int64_t heads,
                                                                        bool causal, int64_t left, int64_t right,
-                                                                       int64_t threads) {
+                                                                       int64_t threads, int64_t kv_heads) {
   TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.is_contiguous(), "cpu_flash: cu_seqlens int64");
   constexpr int64_t NONE = std::numeric_limits<int32_t>::max();
-  const Problem pb{cu_seqlens.data_ptr<int64_t>(), nullptr, heads, heads, 0, left < 0 ? NONE : left,
+  kv_heads = kv_heads < 0 ? heads : kv_heads;
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "cpu_flash: query heads must be a multiple of key/value heads");
+  const Problem pb{cu_seqlens.data_ptr<int64_t>(), nullptr, heads, kv_heads, 0, left < 0 ? NONE : left,
                    right < 0 ? NONE : right, causal, 1.f};
   std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
   for (const Task& t : plan(pb, cu_seqlens.numel() - 1, threads)) out.emplace_back(t.seq, t.kvh, t.b0, t.b1);
@@ -1020,5 +1022,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_tiles", &amx_tiles, "whether that path's products run as AMX tile products");
   m.def("set_amx", &set_amx, "AMX tile products on (default) or off, where the build has them");
   m.def("parallel_workers", &parallel_workers, "how many threads run the kernel's tasks");
-  m.def("plan_tasks", &plan_tasks, "the (sequence, head, first block, end block) tasks of a call, in order");
+  m.def("plan_tasks", &plan_tasks, "the (sequence, kv head, first block, end block) tasks of a call, in order",
+        py::arg("cu_seqlens"), py::arg("heads"), py::arg("causal"), py::arg("left"), py::arg("right"),
+        py::arg("threads"), py::arg("kv_heads") = -1);
 }

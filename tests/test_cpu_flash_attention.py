@@ -150,7 +150,7 @@ def test_the_output_holds_the_output_projections_padded_rows_in_place(dtype: tor
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 3, 8])
 def test_a_long_sequence_is_split_across_threads_and_every_thread_count_is_exact(threads: int, products: str) -> None:
-    """Tasks are runs of query blocks of one (sequence, head), sharing its converted keys and values; one long
+    """Tasks are runs of query blocks of one (sequence, key/value head), sharing its converted keys and values; one long
     sequence is cut into several runs per head only where the threads would otherwise lack work."""
     kernel = load_kernel()
     cu = torch.tensor([0, 1500])
@@ -162,6 +162,11 @@ def test_a_long_sequence_is_split_across_threads_and_every_thread_count_is_exact
     assert len(tasks) == 4 if threads == 1 else len(tasks) >= 4 * threads
     many = kernel.plan_tasks(torch.tensor([0] + [300] * 40).cumsum(0), 4, False, -1, -1, threads)
     assert len(many) == 160  # enough (sequence, head) pairs: no sequence is cut
+    # GQA: a task runs every query head of its key/value head's group against one conversion of its keys and values
+    grouped = kernel.plan_tasks(torch.tensor([0] + [300] * 40).cumsum(0), 4, False, -1, -1, threads, kv_heads=2)
+    assert sorted((s, h) for s, h, *_ in grouped) == [(s, h) for s in range(40) for h in range(2)]
+    with pytest.raises(RuntimeError, match="multiple of key/value heads"):
+        kernel.plan_tasks(cu, 4, False, -1, -1, threads, kv_heads=3)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
