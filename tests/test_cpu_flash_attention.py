@@ -151,7 +151,7 @@ def test_the_output_holds_the_output_projections_padded_rows_in_place(dtype: tor
 @pytest.mark.parametrize("threads", [1, 3, 8])
 def test_a_long_sequence_is_split_across_threads_and_every_thread_count_is_exact(threads: int, products: str) -> None:
     """Tasks are runs of query blocks of one (sequence, key/value head), sharing its converted keys and values; one long
-    sequence is cut into several runs per head only where the threads would otherwise lack work."""
+    sequence is cut into several runs per key/value head only where the threads would otherwise lack work."""
     kernel = load_kernel()
     cu = torch.tensor([0, 1500])
     tasks = kernel.plan_tasks(cu, 4, False, -1, -1, threads)
