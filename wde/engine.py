@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from wde.components.base import COMPONENT_KINDS, BuildContext
+from wde import collector
 from wde.chunking import ChunkMerger
 from wde.components.pooler import ChunkedPooling, Pooled, SpanPooling
 from wde.components.scheduler import SchedulerOutput
@@ -523,22 +524,23 @@ class Engine:
         """
         ids = []
         requests = []
-        for i, x in enumerate(inputs):
-            try:
-                requests.append(self.make_request(x, params))
-            except RequestError as e:
-                raise RequestError(f"input[{i}]: {e}", e.field, e.kind) from None
-            ids.append(requests[-1].request_id)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
+        with collector.paused():  # and run's own pause: every input's objects live until the call returns
+            for i, x in enumerate(inputs):
+                try:
+                    requests.append(self.make_request(x, params))
+                except RequestError as e:
+                    raise RequestError(f"input[{i}]: {e}", e.field, e.kind) from None
+                ids.append(requests[-1].request_id)
+            bar = None
+            if progress:
+                from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), unit="input", desc="wde")
-        try:
-            done = self.run(requests, bar.update if bar is not None else None)
-        finally:
-            if bar is not None:
-                bar.close()
+                bar = tqdm(total=len(ids), unit="input", desc="wde")
+            try:
+                done = self.run(requests, bar.update if bar is not None else None)
+            finally:
+                if bar is not None:
+                    bar.close()
         results = [done[i] for i in ids]
         if raise_on_error:
             for i, out in enumerate(results):
@@ -549,18 +551,20 @@ class Engine:
     def run(self, requests: Sequence[Request],
             on_outputs: Callable[[int], object] | None = None) -> dict[str, RequestOutput]:
         """Queue validated requests (`make_request`) and step until each has its output; outputs by request id.
-        `on_outputs(n)` is called after each step that finished n of them (a progress bar's `update`)."""
+        `on_outputs(n)` is called after each step that finished n of them (a progress bar's `update`). The
+        cyclic garbage collector is held off meanwhile (`wde.collector`)."""
         for r in requests:
             self.scheduler.add(r)
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(requests):
-            outs = self.step()
-            for o in outs:
-                done[o.request_id] = o
-            if on_outputs is not None:
-                on_outputs(len(outs))
-            if not outs and not self.has_unfinished():
-                break  # pragma: no cover - every request yields an output; guards against a plugin losing one
+        with collector.paused():
+            while len(done) < len(requests):
+                outs = self.step()
+                for o in outs:
+                    done[o.request_id] = o
+                if on_outputs is not None:
+                    on_outputs(len(outs))
+                if not outs and not self.has_unfinished():
+                    break  # pragma: no cover - every request yields an output; guards against a plugin losing one
         return done
 
     def embed(self, texts: str | Sequence[Any], *, normalize: bool | None = None, truncate: bool = False,

@@ -90,6 +90,11 @@ class HFTokenizer(Tokenizer):
         self._local = threading.local()
         self._copy_lock = threading.Lock()
         self._original_taken = False
+        self._single_types = self._returns_types
+        """Whether a single text's token types are kept: not where the tokenizer makes them all 0 (BERT's template:
+        a pair's first text and its special tokens are type 0), which models read as no token types at all."""
+        self._direct = self._direct_matches()
+        """Whether `encode` calls the Rust tokenizer itself when it does not truncate (`_encode_direct`)."""
 
     def model_limits(self, ctx: BuildContext, cfg: object) -> dict[str, int]:
         """What the model allows per input, by where it says so (only the limits it states)."""
@@ -194,14 +199,53 @@ class HFTokenizer(Tokenizer):
             return []
         texts = [p.text for p in prompts]
         pairs = [p.text_pair for p in prompts] if isinstance(prompts[0], PairPrompt) else None
+        tok = self._hf()
+        if max_length is None and self._direct:
+            out = _encode_direct(tok, texts, pairs, self._single_types if pairs is None else self._returns_types)
+        else:
+            out = self._encode_hf(tok, texts, pairs, max_length, direction)
+        return [self._with_eos(ids, t) for ids, t in out] if self.params.add_eos else out
+
+    def _encode_hf(self, tok: Any, texts: list[str], pairs: list[str] | None, max_length: int | None,
+                   direction: Literal["left", "right"]) -> list[Encoded]:
+        """`encode` through the Hugging Face tokenizer's own call (truncation, and tokenizers `_direct` is not)."""
         kwargs = self._call_kwargs(max_length, pairs=pairs is not None)
         kwargs["return_token_type_ids"] = self._returns_types
-        tok = self._hf()
         tok.truncation_side = direction
         enc = tok(texts, pairs, **kwargs) if pairs else tok(texts, **kwargs)
         types = enc.get("token_type_ids") if self._returns_types else None
-        out = [(ids, types[i] if types is not None else None) for i, ids in enumerate(enc["input_ids"])]
-        return [self._with_eos(ids, t) for ids, t in out] if self.params.add_eos else out
+        return [(ids, types[i] if types is not None else None) for i, ids in enumerate(enc["input_ids"])]
+
+    def _direct_matches(self) -> bool:
+        """Whether `_encode_direct` gives what the Hugging Face tokenizer's call gives, for this tokenizer: its class
+        keeps transformers' batch encoding (LayoutLM, LUKE, MarkupLM... override it), and on `DIRECT_PROBES`
+        (texts, pairs, the tokenizer's own special tokens written out) the ids and token types are the same. Sets
+        `_single_types` off where the call gives single texts token types that are all 0 (a template's types do
+        not depend on the text, so the probes show them)."""
+        tok = self._tok
+        from transformers import PreTrainedTokenizerFast
+
+        if not getattr(tok, "is_fast", False) or not hasattr(tok, "backend_tokenizer") or any(
+                getattr(type(tok), name, None) is not getattr(PreTrainedTokenizerFast, name, None)
+                for name in _BATCH_ENCODING):
+            return False
+        specials = " ".join(t for t in tok.all_special_tokens if isinstance(t, str))
+        texts = [*DIRECT_PROBES, f"{specials} between {specials}"]
+        pairs = [texts[-1 - i] for i in range(len(texts))]
+        try:
+            singles = self._encode_hf(tok, texts, None, None, "right")
+            if self._returns_types and not any(any(types) for _, types in singles):
+                self._single_types = False
+            want = [(ids, types if self._single_types else None) for ids, types in singles]
+            if _encode_direct(tok, texts, None, self._single_types) != want:
+                return False
+            if _encode_direct(tok, texts, pairs, self._returns_types) != self._encode_hf(tok, texts, pairs, None,
+                                                                                          "right"):
+                return False
+        except Exception:  # noqa: BLE001 - a tokenizer the direct call does not suit keeps the Hugging Face call
+            self._single_types = self._returns_types
+            return False
+        return True
 
     def encode_with_offsets(self, text: str, max_length: int | None = None,
                             direction: Literal["left", "right"] = "right") -> tuple[list[int], list[tuple[int, int]]]:
@@ -280,6 +324,34 @@ class HFTokenizer(Tokenizer):
         """Ids of the special tokens with these roles ('cls_token', 'unk_token', ...) the tokenizer defines."""
         named = self._tok.special_tokens_map
         return {self._tok.convert_tokens_to_ids(named[r]) for r in roles if isinstance(named.get(r), str)}
+
+
+_BATCH_ENCODING = ("__call__", "_call_one", "_encode_plus", "_batch_encode_plus", "encode_plus", "batch_encode_plus",
+                   "_convert_encoding", "set_truncation_and_padding")
+"""The methods of transformers' fast tokenizer (4.x and 5.x names) that make its call's output; a tokenizer class
+that overrides one of them keeps the Hugging Face call."""
+
+DIRECT_PROBES = ("Hello world.", "  Leading and trailing spaces  ", "UPPER lower MiXeD 12,345.67 don't",
+                 "naïve café — 東京 😀 \u00e9\u0301", "tabs\tand\nnewlines", "a", "x" * 300)
+"""Texts on which `HFTokenizer` checks, at load, that the direct call matches the Hugging Face one."""
+
+
+def _encode_direct(tok: Any, texts: list[str], pairs: list[str] | None, types: bool) -> list[Encoded]:
+    """Token ids (and token types where `types`) of untruncated texts (or pairs) from the Rust tokenizer itself, set
+    as the Hugging Face call sets it when it neither truncates nor pads: what that call returns without the ~10
+    microseconds per input it spends building its dicts (a third of the engine's host work for short texts)."""
+    backend = tok.backend_tokenizer
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
+    split = bool(getattr(tok, "split_special_tokens", False))
+    if getattr(backend, "encode_special_tokens", split) != split:
+        backend.encode_special_tokens = split
+    encodings = backend.encode_batch(list(zip(texts, pairs)) if pairs is not None else texts, add_special_tokens=True)
+    if types:
+        return [(e.ids, e.type_ids) for e in encodings]
+    return [(e.ids, None) for e in encodings]
 
 
 def _copy_tokenizer(tok: Any) -> Any:

@@ -13,7 +13,8 @@ CPython's documentation recommends it for exactly this, and vLLM's server does t
 What it costs: a cycle of objects made before the freeze and dropped while frozen is not reclaimed until the
 heap is unfrozen. Start-up objects live as long as the server, so it loses nothing; `frozen_heap()` unfreezes when
 serving ends, so a server run inside another program (a test, a notebook) leaves its collector as it was. The
-Python API (`Engine`) leaves the collector alone: the process is the caller's.
+Python API (`Engine`) freezes nothing (the process is the caller's); it holds the collector off for the length of
+each call instead (`wde.collector`).
 """
 
 from __future__ import annotations
