@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tests import tiny_decoders
-from tests.tiny_models import build_bert
 from wde import Engine
 from wde.components import tokenizer as tokenizer_module
 from wde.components.model_input_builder import PackedInputBuilder
