@@ -527,10 +527,14 @@ class Engine:
         with collector.paused():  # and run's own pause: every input's objects live until the call returns
             for i, x in enumerate(inputs):
                 try:
-                    requests.append(self.make_request(x, params))
+                    if i == 0:
+                        check_params(params, self.info)  # once: every input has these params
+                    request = self.input_processor.process(f"req-{next(self._ids)}", x, params)
+                    check_spans(request)
                 except RequestError as e:
                     raise RequestError(f"input[{i}]: {e}", e.field, e.kind) from None
-                ids.append(requests[-1].request_id)
+                requests.append(request)
+                ids.append(request.request_id)
             bar = None
             if progress:
                 from tqdm.auto import tqdm

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -100,6 +101,11 @@ class TextInputProcessor(InputProcessor):
         `field` names the input in errors; a pair's sides are `field[0]` and `field[1]` unless `field` names
         them itself (a tuple); errors about the pair as a whole then name its second side.
         """
+        if type(inputs) is str and type(field) is str:  # the usual input: a text (checked as below, sooner)
+            if self.params.pairs == "require":
+                raise RequestError(f"{field}: this model scores (text, text_pair) pairs; a single text was given",
+                                   field)
+            return TextPrompt(self._prompt_prefix(params) + self.check_text(inputs, field))
         sides = field if isinstance(field, tuple) else (f"{field}[0]", f"{field}[1]")
         field = field[1] if isinstance(field, tuple) else field
         if isinstance(inputs, Mapping):

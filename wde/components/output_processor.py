@@ -19,16 +19,17 @@ class EmbeddingOutputProcessor(OutputProcessor):
     Params = Params
 
     def process(self, batch: SchedulerOutput, pooled: Pooled, inference_time: float) -> list[RequestOutput]:
-        rows = {k: v.numpy() for k, v in pooled.rows.items()}
-        ragged = {k: (v.numpy(), b) for k, (v, b) in pooled.ragged.items()}
+        rows = [(k, list(v.numpy())) for k, v in pooled.rows.items()]  # each request's row, a view
+        ragged = [(k, v.numpy(), b) for k, (v, b) in pooled.ragged.items()]
         now = time.perf_counter()
         outs = []
         for i, s in enumerate(batch.scheduled):
             r = s.request
-            outputs = {k: v[i] for k, v in rows.items()}
-            outputs.update({k: v[b[i]:b[i + 1]] for k, (v, b) in ragged.items()})
+            outputs = {k: v[i] for k, v in rows}
+            for k, v, b in ragged:
+                outputs[k] = v[b[i]:b[i + 1]]
             dimensions = s.params.dimensions
-            if "dense" in outputs and dimensions is not None:
+            if dimensions is not None and "dense" in outputs:
                 outputs["dense"] = outputs["dense"][:dimensions]  # a mixed batch pads rows to full width
             queue = (r.scheduled_time or now) - r.arrival_time
             outs.append(RequestOutput(r.request_id, outputs, s.num_tokens, None, s.token_ids,
