@@ -101,28 +101,24 @@ class TextInputProcessor(InputProcessor):
         `field` names the input in errors; a pair's sides are `field[0]` and `field[1]` unless `field` names
         them itself (a tuple); errors about the pair as a whole then name its second side.
         """
-        if type(inputs) is str and type(field) is str:  # the usual input: a text (checked as below, sooner)
-            if self.params.pairs == "require":
-                raise RequestError(f"{field}: this model scores (text, text_pair) pairs; a single text was given",
-                                   field)
-            return TextPrompt(self._prompt_prefix(params) + self.check_text(inputs, field))
-        sides = field if isinstance(field, tuple) else (f"{field}[0]", f"{field}[1]")
-        field = field[1] if isinstance(field, tuple) else field
-        if isinstance(inputs, Mapping):
-            if "token_ids" in inputs:
-                return self._tokens(inputs["token_ids"], f"{field}.token_ids")
-            if "text_pair" in inputs:
-                inputs = (inputs.get("text"), inputs["text_pair"])
-            elif "text" in inputs:
-                inputs = inputs["text"]
-            else:
-                raise RequestError(f"{field} must have a 'text' or 'token_ids' key", field)
-        if isinstance(inputs, (tuple, list)) and len(inputs) == 2 and all(isinstance(x, str) for x in inputs):
-            if self.params.pairs == "forbid":
-                raise RequestError(f"{field}: this model embeds single texts, not (text, text_pair) pairs", field)
-            return PairPrompt(self._prompt_prefix(params) + self.check_text(inputs[0], sides[0]), self.check_text(inputs[1], sides[1]))
-        if isinstance(inputs, (tuple, list)) and inputs and all(isinstance(x, int) and not isinstance(x, bool) for x in inputs):
-            return self._tokens(inputs, field)
+        if type(inputs) is not str or type(field) is not str:  # the usual input, a text, goes straight on
+            sides = field if isinstance(field, tuple) else (f"{field}[0]", f"{field}[1]")
+            field = field[1] if isinstance(field, tuple) else field
+            if isinstance(inputs, Mapping):
+                if "token_ids" in inputs:
+                    return self._tokens(inputs["token_ids"], f"{field}.token_ids")
+                if "text_pair" in inputs:
+                    inputs = (inputs.get("text"), inputs["text_pair"])
+                elif "text" in inputs:
+                    inputs = inputs["text"]
+                else:
+                    raise RequestError(f"{field} must have a 'text' or 'token_ids' key", field)
+            if isinstance(inputs, (tuple, list)) and len(inputs) == 2 and all(isinstance(x, str) for x in inputs):
+                if self.params.pairs == "forbid":
+                    raise RequestError(f"{field}: this model embeds single texts, not (text, text_pair) pairs", field)
+                return PairPrompt(self._prompt_prefix(params) + self.check_text(inputs[0], sides[0]), self.check_text(inputs[1], sides[1]))
+            if isinstance(inputs, (tuple, list)) and inputs and all(isinstance(x, int) and not isinstance(x, bool) for x in inputs):
+                return self._tokens(inputs, field)
         text = self.check_text(inputs, field)
         if self.params.pairs == "require":
             raise RequestError(f"{field}: this model scores (text, text_pair) pairs; a single text was given", field)
