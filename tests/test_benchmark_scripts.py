@@ -169,3 +169,28 @@ def test_gpu_check_script_parses_and_names_scripts_that_exist() -> None:
     called = set(re.findall(r"(benchmarks/\w+\.py|tests/test_\w+\.py)", script.read_text()))
     assert "benchmarks/serve_load.py" in called and "benchmarks/gpu_parity.py" in called
     assert all((ROOT / path).is_file() for path in called), sorted(p for p in called if not (ROOT / p).is_file())
+
+
+def test_host_path_runs(tmp_path: Path, minilm_path: Path) -> None:
+    """`benchmarks/host_path.py` (the engine's host cost per input, a GPU's bound) on a small workload, its model
+    built with a given folder's tokenizer (as gpu_check.sh runs it): it prints the engine's and the tokenizer's
+    microseconds per input."""
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json", "config.json"):
+        (tok / name).write_bytes((minilm_path / name).read_bytes())
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "host_path.py"), "--n", "300", "--repeats", "1", "--tokenizer",
+         str(tok)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path),
+             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert re.search(r"^host path: 300 sentences, \d+ tokens \([\d.]+ per input\), executor thread, 1 thread\(s\)",
+                     text, re.MULTILINE), text
+    engine = re.search(r"^engine: +([\d.]+) us/input wall, +([\d.]+) us/input CPU  -> ([\d,]+) tokens/s", text,
+                       re.MULTILINE)
+    assert engine and float(engine.group(1)) > 0, text
+    assert re.search(r"^tokenizer alone: +[\d.]+ us/input wall", text, re.MULTILINE), text
+    assert (tmp_path / "wde-host-path-bert" / "config.json").is_file()
