@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from wde.components.base import COMPONENT_KINDS, BuildContext
 from wde import collector
+from wde.components.base import COMPONENT_KINDS, BuildContext
 from wde.chunking import ChunkMerger
 from wde.components.pooler import ChunkedPooling, Pooled, SpanPooling
 from wde.components.scheduler import SchedulerOutput
@@ -527,14 +527,10 @@ class Engine:
         with collector.paused():  # and run's own pause: every input's objects live until the call returns
             for i, x in enumerate(inputs):
                 try:
-                    if i == 0:
-                        check_params(params, self.info)  # once: every input has these params
-                    request = self.input_processor.process(f"req-{next(self._ids)}", x, params)
-                    check_spans(request)
+                    requests.append(self.make_request(x, params))
                 except RequestError as e:
                     raise RequestError(f"input[{i}]: {e}", e.field, e.kind) from None
-                requests.append(request)
-                ids.append(request.request_id)
+                ids.append(requests[-1].request_id)
             bar = None
             if progress:
                 from tqdm.auto import tqdm
