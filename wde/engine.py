@@ -520,7 +520,8 @@ class Engine:
         """Run a list of inputs to completion; outputs come back in input order.
 
         All inputs are validated before any work starts; with `raise_on_error` a request rejected later
-        (e.g. too long without truncation) raises `RequestError` naming its index.
+        (e.g. too long without truncation) raises `RequestError` naming its index. The cyclic garbage collector
+        is held off for the call (`wde.collector`).
         """
         ids = []
         requests = []
