@@ -35,7 +35,6 @@ def qwen3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_decoders.build_qwen3(tmp_path_factory.mktemp("qwen3"), tok)
 
 
-
 @pytest.mark.parametrize("fixture", ["minilm_path", "tiny_bert", "tiny_xlmr_realvocab", "qwen3_folder"])
 def test_direct_encoding_matches_transformers(fixture: str, request: pytest.FixtureRequest) -> None:
     """Texts and pairs through the direct call give transformers' ids and token types (a single text's all-zero
