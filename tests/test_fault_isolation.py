@@ -184,11 +184,21 @@ def test_the_loop_gives_up_after_repeated_crashes(crashing_engine: Engine) -> No
     async def scenario() -> None:
         # a window far longer than the test: a loaded machine that spreads the three crashes out still counts them together
         engine = AsyncEngine(crashing_engine, max_restarts=2, restart_window_s=3600, on_fatal=fatal.append)
+        give_up = engine.core._give_up
+
+        def slow_give_up(error: BaseException) -> None:  # a busy engine thread: the caller must not hear first
+            time.sleep(0.5)
+            give_up(error)
+
+        engine.core._give_up = slow_give_up  # type: ignore[method-assign]
         engine.start()
         try:
-            for attempt in range(3):
-                with pytest.raises(EngineRestarted if attempt < 2 else EngineUnavailable):
+            for attempt in range(2):
+                with pytest.raises(EngineRestarted):
                     await asyncio.wait_for(engine.encode(["crash again"], PoolingParams()), 300)
+            with pytest.raises(EngineUnavailable, match="failed repeatedly") as last:
+                await asyncio.wait_for(engine.encode(["crash again"], PoolingParams()), 300)
+            assert not isinstance(last.value, EngineRestarted)  # the engine is gone: no retry will help
             assert not engine.healthy and isinstance(engine.error, faults.InjectedFault)
             with pytest.raises(EngineUnavailable, match="not running"):
                 await engine.encode(["anything"], PoolingParams())

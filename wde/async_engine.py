@@ -6,7 +6,8 @@ batches whatever has arrived from every connection, runs the model and resolves 
 `loop.call_soon_threadsafe`. A failing request fails alone (`Engine.step` isolates it). The loop is
 supervised: should `step` itself raise (a bug, an out-of-memory error), every caller waiting at that moment
 gets `EngineRestarted`, the engine's queues are reset and the loop starts again; after `max_restarts` within
-`restart_window_s` it gives up, reports unhealthy and calls `on_fatal` (`wde serve` then exits non-zero so a
+`restart_window_s` it gives up: reports unhealthy, then fails the waiting callers with `EngineUnavailable` and calls
+`on_fatal` (`wde serve` then exits non-zero so a
 process supervisor can restart it). No caller waits forever: stopping drains the queue, then fails what is left,
 and a call given a `timeout` is aborted in the scheduler when it passes (`EngineTimeout`).
 
@@ -145,11 +146,10 @@ class InProcessCore:
     def _restart(self, error: Exception) -> bool:
         """Fail every waiting caller, reset the engine's queues; False when the restart budget is spent."""
         log.error("the engine loop failed (%s: %s); restarting it", type(error).__name__, error, exc_info=error)
-        granted = self.restarts.spend()  # counted before any caller hears of the restart (`num_restarts`)
-        self._front.fail_all(EngineRestarted(RESTARTED), reset=True)  # type: ignore[union-attr]
-        if not granted:
-            self._give_up(error)
+        if not self.restarts.spend():  # counted before any caller hears of the restart (`num_restarts`)
+            self._give_up(error)  # unhealthy before a waiting caller hears of it
             return False
+        self._front.fail_all(EngineRestarted(RESTARTED), reset=True)  # type: ignore[union-attr]
         return True
 
     def _give_up(self, error: BaseException) -> None:
