@@ -25,6 +25,7 @@ from wde.token_pool import TokenPool
 from wde.server import (cohere_routes, lora_routes, openai_routes, rerank_routes, score_routes, tei_routes,
                         weaviate_routes)
 from wde.server.config import ServerConfig
+from wde.server.direct_routes import DirectRoutes
 from wde.server.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
 from wde.server.grpc import prepare as prepare_grpc
 from wde.server.grpc import serving as serving_grpc
@@ -99,7 +100,10 @@ def create_app(engine: Engine | CoreClient | Sequence[Engine | CoreClient],
     app.add_exception_handler(HTTPException, http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
     # Added innermost first: a request passes the id, metrics, origin, key, content-type, size and body-time
-    # checks in that order (the origin check before the key: a CORS preflight carries no key).
+    # checks in that order (the origin check before the key: a CORS preflight carries no key), then is handed
+    # to its route's handler directly where it can be (wde/server/direct_routes.py), else to FastAPI's router.
+    app.add_middleware(DirectRoutes, routes=[r for router in _ROUTERS for r in router.routes],
+                       handlers=app.exception_handlers)
     app.add_middleware(BodyTimeoutMiddleware, timeout=config.body_timeout)
     limit = max(config.effective_payload_limit(svc.info.max_length, svc.max_image_bytes) for svc in services)
     app.add_middleware(PayloadLimitMiddleware, limit=limit)
