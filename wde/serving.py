@@ -210,7 +210,11 @@ class ServingFrontEnd:
                         self._pending[w.admitted.request_id] = w
                     self.core.submit(submission)
                 await self.core.send(submission)
-                results = await await_within(asyncio.gather(*(w.future for _, w in waiting)), _left(deadline, loop))
+                futures = [w.future for _, w in waiting]
+                if len(futures) == 1:  # most calls: no gathering future to make
+                    results = [await await_within(futures[0], _left(deadline, loop))]
+                else:
+                    results = await await_within(asyncio.gather(*futures), _left(deadline, loop))
                 for (i, _), out in zip(waiting, results):
                     outputs[i] = out
             return outputs  # type: ignore[return-value]
