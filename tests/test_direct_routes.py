@@ -192,3 +192,21 @@ def test_a_wde_route_is_served_directly_by_a_live_server(minilm_path: Path, mini
         assert "/v1/embeddings" in httpx.get(f"{base}/openapi.json").json()["paths"]
         assert httpx.post(f"{base}/v1/embeddings/nowhere", json={}).json()["error"]["type"]
     assert through_fastapi == ["/v1/models/{model_id:path}"]
+
+
+def test_a_request_fastapis_telemetry_traces_goes_through_its_router() -> None:
+    """With OpenTelemetry configured, FastAPI names the route in the request's span: such requests keep its path."""
+    sdk = pytest.importorskip("opentelemetry.sdk.trace")
+    export = pytest.importorskip("opentelemetry.sdk.trace.export")
+    memory = pytest.importorskip("opentelemetry.sdk.trace.export.in_memory_span_exporter")
+    spans = memory.InMemorySpanExporter()
+    provider = sdk.TracerProvider()
+    provider.add_span_processor(export.SimpleSpanProcessor(spans))
+    traced = FastAPI(telemetry={"tracer_provider": provider})
+    traced.include_router(router)
+    traced.add_middleware(DirectRoutes, routes=router.routes, handlers=traced.exception_handlers)
+    with TestClient(traced) as client:
+        assert client.post("/plain", json={}).json()["via_router"] is True
+    assert "POST /plain" in [span.name for span in spans.get_finished_spans()]
+    with TestClient(app(True)) as client:  # untraced: direct
+        assert client.post("/plain", json={}).json()["via_router"] is False

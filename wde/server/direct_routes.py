@@ -7,7 +7,8 @@ That machinery cost about 40% of the event loop's CPU per request on a small mod
 inputs. What a request sees is the same: the same handler, the same exception handlers in the same order
 (`Exception` itself stays with Starlette's outermost error middleware, as in FastAPI's own stack), and anything
 the table does not name (another method, a trailing slash, a path parameter, a route added after the app was
-built) goes through FastAPI as before. /openapi.json is unchanged: the routes stay registered.
+built, a request FastAPI's telemetry traces) goes through FastAPI as before. /openapi.json is unchanged: the routes
+stay registered.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from starlette.responses import Response
 from starlette.routing import Match
 
 from wde.server.middleware import ASGIApp, Receive, Scope, Send
+
+TRACED = "fastapi.telemetry"
+"""The scope key FastAPI's native telemetry sets on a request it traces (OpenTelemetry configured): such a request
+goes through FastAPI's router, which names its route in the span (`http.route`) and times the endpoint."""
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 Handler = Callable[[Request, Exception], Awaitable[Response]]
@@ -88,7 +93,7 @@ class DirectRoutes:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = self.table.get((scope["method"], scope["path"])) if scope["type"] == "http" else None
-        if endpoint is None or scope.get("root_path"):
+        if endpoint is None or scope.get("root_path") or scope.get(TRACED) is not None:
             await self.app(scope, receive, send)
             return
         request = Request(scope, receive, send)
