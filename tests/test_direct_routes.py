@@ -160,7 +160,7 @@ def test_only_the_table_skips_the_router(path: str, direct: bool) -> None:
 def test_the_error_handlers_answer_as_fastapis_stack_does() -> None:
     with TestClient(app(True), raise_server_exceptions=False) as client:
         assert client.post("/api-error").json()["error"]["param"] == "input"
-        assert "short and stout" in client.post("/http-error").json()["error"]["message"]  # our handler, not Starlette's
+        assert "short and stout" in client.post("/http-error").json()["error"]["message"]  # ours, not Starlette's
         assert client.post("/status-error").json() == {"conflict": True}  # by status code first
         crashed = client.post("/crash")
         assert crashed.status_code == 500 and "internal error" in crashed.json()["error"]["message"]

@@ -49,9 +49,9 @@ def direct_endpoint(route: Any) -> Endpoint | None:
         returns = typing.get_type_hints(route.endpoint).get("return")
     except (AttributeError, NameError, TypeError):
         return None
-    if not (inspect.iscoroutinefunction(route.endpoint) and isinstance(returns, type) and issubclass(returns, Response)):
-        return None
-    return route.endpoint
+    if inspect.iscoroutinefunction(route.endpoint) and isinstance(returns, type) and issubclass(returns, Response):
+        return route.endpoint
+    return None
 
 
 def direct_table(routes: Sequence[Any]) -> dict[tuple[str, str], Endpoint]:
@@ -106,4 +106,3 @@ class DirectRoutes:
             response = await handler(request, exc)
             exc.__traceback__ = None  # a reused exception instance would pile up tracebacks
         await response(scope, receive, send)
-

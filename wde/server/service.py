@@ -517,12 +517,12 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     watcher.add_done_callback(cancel_caller)
     try:
         return await work
-    except asyncio.CancelledError:
-        if not hung_up:  # the caller itself was cancelled
+    except BaseException:
+        if not hung_up:  # the work's own failure, or the caller itself cancelled
             raise
         if sys.version_info >= (3, 11):
             caller.uncancel()  # this cancellation is answered by ClientDisconnected, not passed on
-        raise ClientDisconnected() from None
+        raise ClientDisconnected() from None  # whatever the work made of the cancellation: nobody reads it
     finally:
         watcher.remove_done_callback(cancel_caller)
         watcher.cancel()
