@@ -68,6 +68,8 @@ import torch, torch.nn.functional as F  # docs/images.md: torch's CPU antialiase
 c = torch.tensor([1., 2, 3, 4]).view(1, 1, 4, 1)
 for dev in ('cpu', 'cuda'):
     print(dev, F.interpolate(c.to(dev), size=(8, 1), mode='bilinear', antialias=True).flatten().tolist())"
+# The HTTP layer alone per request (in-process ASGI, near-free model on the GPU): what one process's event loop allows.
+step asgi_path 60 $PY benchmarks/asgi_path.py --tokenizer "$TOK" --requests 10000
 # One process (what leases before the thirteenth session measured: 937-954 req/s, device busy 13-20%) and `wde serve`'s
 # own default on a GPU host (the engine core behind a quarter of the cores as API servers), each with the CPU time
 # per request of every server process, busiest first: which process bounds serving.

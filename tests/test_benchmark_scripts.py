@@ -194,3 +194,20 @@ def test_host_path_runs(tmp_path: Path, minilm_path: Path) -> None:
     assert engine and float(engine.group(1)) > 0, text
     assert re.search(r"^tokenizer alone: +[\d.]+ us/input wall", text, re.MULTILINE), text
     assert (tmp_path / "wde-host-path-bert" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/embed"])
+def test_asgi_path_runs(tmp_path: Path, path: str) -> None:
+    """`benchmarks/asgi_path.py` (the HTTP layer's cost per request, driven in-process) on a small load: every request
+    answered 200 with a body (it raises otherwise), and it prints microseconds per request."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "asgi_path.py"), "--requests", "200", "--concurrency", "16",
+         "--repeats", "1", "--path", path],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path),
+             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"asgi path: 200 requests to {path}, 16 at a time" in out.stdout, out.stdout
+    found = re.search(r"^per request: +([\d.]+) us wall, +([\d.]+) us CPU -> ([\d,]+) requests/s", out.stdout,
+                      re.MULTILINE)
+    assert found and float(found.group(1)) > 0, out.stdout
