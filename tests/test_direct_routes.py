@@ -5,7 +5,6 @@ client shapes) run every WDE route through the direct path as well."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -168,7 +167,7 @@ def test_the_error_handlers_answer_as_fastapis_stack_does() -> None:
         client.post("/crash")
 
 
-def test_a_wde_route_is_served_directly_by_a_live_server(minilm_path: Path, minilm_engine: Engine,
+def test_a_wde_route_is_served_directly_by_a_live_server(minilm_engine: Engine,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Through uvicorn: the embeddings route never reaches FastAPI's route handling; /openapi.json still lists it;
     a path the table does not hold still gets our 404."""
