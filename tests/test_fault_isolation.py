@@ -186,9 +186,9 @@ def test_the_loop_gives_up_after_repeated_crashes(crashing_engine: Engine) -> No
         engine = AsyncEngine(crashing_engine, max_restarts=2, restart_window_s=3600, on_fatal=fatal.append)
         give_up = engine.core._give_up
 
-        def slow_give_up(error: BaseException) -> None:  # a busy engine thread: the caller must not hear first
+        def slow_give_up(error: BaseException, **kwargs: bool) -> None:  # a busy engine thread: no caller hears first
             time.sleep(0.5)
-            give_up(error)
+            give_up(error, **kwargs)
 
         engine.core._give_up = slow_give_up  # type: ignore[method-assign]
         engine.start()
@@ -199,6 +199,7 @@ def test_the_loop_gives_up_after_repeated_crashes(crashing_engine: Engine) -> No
             with pytest.raises(EngineUnavailable, match="failed repeatedly") as last:
                 await asyncio.wait_for(engine.encode(["crash again"], PoolingParams()), 300)
             assert not isinstance(last.value, EngineRestarted)  # the engine is gone: no retry will help
+            assert not crashing_engine.has_unfinished()  # its queues emptied, as at every restart
             assert not engine.healthy and isinstance(engine.error, faults.InjectedFault)
             with pytest.raises(EngineUnavailable, match="not running"):
                 await engine.encode(["anything"], PoolingParams())

@@ -147,16 +147,16 @@ class InProcessCore:
         """Fail every waiting caller, reset the engine's queues; False when the restart budget is spent."""
         log.error("the engine loop failed (%s: %s); restarting it", type(error).__name__, error, exc_info=error)
         if not self.restarts.spend():  # counted before any caller hears of the restart (`num_restarts`)
-            self._give_up(error)  # unhealthy before a waiting caller hears of it
+            self._give_up(error, reset=True)  # unhealthy before a waiting caller hears of it
             return False
         self._front.fail_all(EngineRestarted(RESTARTED), reset=True)  # type: ignore[union-attr]
         return True
 
-    def _give_up(self, error: BaseException) -> None:
+    def _give_up(self, error: BaseException, reset: bool = False) -> None:
         log.critical("the engine loop failed %d times in %.0f s (last: %s: %s); giving up", self.restarts.recent,
                      self.restarts.window_s, type(error).__name__, error)
         self._front.fatal(error, EngineUnavailable(  # type: ignore[union-attr]
-            "the engine is not running: it failed repeatedly; see the server log"))
+            "the engine is not running: it failed repeatedly; see the server log"), reset=reset)
 
 
 class AsyncEngine(ServingFrontEnd):

@@ -260,11 +260,11 @@ class ServingFrontEnd:
             ids = list(self._pending)
         self.resolve([(rid, failure) for rid in ids])
 
-    def fatal(self, error: BaseException, failure: BaseException) -> None:
-        """The core is gone for good: record `error`, fail every waiting caller with `failure`, refuse more and call
-        `on_fatal`."""
+    def fatal(self, error: BaseException, failure: BaseException, *, reset: bool = False) -> None:
+        """The core is gone for good: record `error`, fail every waiting caller with `failure` (`reset`: emptying the
+        core's queues in the same step, see `fail_all`), refuse more and call `on_fatal`."""
         self.error = error
-        self.fail_all(failure, close=True)
+        self.fail_all(failure, reset=reset, close=True)
         if self.on_fatal is not None:
             try:
                 self.on_fatal(error)
