@@ -452,6 +452,14 @@ std::pair<const float*, const float*> norm_params(const c10::optional<at::Tensor
           bias.has_value() ? bias->data_ptr<float>() : nullptr};
 }
 
+// f(a value of t's C++ type), t float32 or bfloat16 (checked by the caller with low_or_float)
+template <typename F>
+void with_type(at::ScalarType t, F&& f) {
+  if (t == at::kFloat) f(float{}); else f(c10::BFloat16{});
+}
+
+bool low_or_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; }
+
 // LayerNorm(x + residual) over the last dim: x [rows, n] float32 / bfloat16, residual [rows, n] float32 (both
 // contiguous), weight / bias [n] float32 or None. Returns a new float32 [rows, n] tensor.
 at::Tensor add_layer_norm(const at::Tensor& x, const at::Tensor& residual, const c10::optional<at::Tensor>& weight,
@@ -462,15 +470,11 @@ at::Tensor add_layer_norm(const at::Tensor& x, const at::Tensor& residual, const
   const int64_t rows = x.size(0), n = x.size(1);
   const auto [w, b] = norm_params(weight, bias, n);
   at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
-  if (x.scalar_type() == at::kFloat) {
-    add_layer_norm_impl(x.data_ptr<float>(), residual.data_ptr<float>(), w, b, static_cast<float>(eps), rows, n,
-                        out.data_ptr<float>());
-  } else if (x.scalar_type() == at::kBFloat16) {
-    add_layer_norm_impl(x.data_ptr<c10::BFloat16>(), residual.data_ptr<float>(), w, b, static_cast<float>(eps), rows,
+  TORCH_CHECK(low_or_float(x.scalar_type()), "cpu_ops: x must be float32 or bfloat16, got ", x.scalar_type());
+  with_type(x.scalar_type(), [&](auto xv) {
+    add_layer_norm_impl(x.data_ptr<decltype(xv)>(), residual.data_ptr<float>(), w, b, static_cast<float>(eps), rows,
                         n, out.data_ptr<float>());
-  } else {
-    TORCH_CHECK(false, "cpu_ops: x must be float32 or bfloat16, got ", x.scalar_type());
-  }
+  });
   return out;
 }
 
@@ -500,15 +504,11 @@ std::vector<at::Tensor> quantize_rows(const at::Tensor& x, const c10::optional<a
   at::Tensor q = padded_bytes(rows, k, padded, x.options());
   at::Tensor scale = at::empty({rows}, x.options().dtype(at::kFloat));
   at::Tensor zero = at::empty({rows}, x.options().dtype(at::kFloat));
-  if (x.scalar_type() == at::kFloat) {
-    quantize_impl(x.data_ptr<float>(), f, rows, k, q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+  TORCH_CHECK(low_or_float(x.scalar_type()), "cpu_ops: float32 or bfloat16 input only, got ", x.scalar_type());
+  with_type(x.scalar_type(), [&](auto xv) {
+    quantize_impl(x.data_ptr<decltype(xv)>(), f, rows, k, q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
                   zero.data_ptr<float>());
-  } else if (x.scalar_type() == at::kBFloat16) {
-    quantize_impl(x.data_ptr<c10::BFloat16>(), f, rows, k, q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                  zero.data_ptr<float>());
-  } else {
-    TORCH_CHECK(false, "cpu_ops: float32 or bfloat16 input only, got ", x.scalar_type());
-  }
+  });
   return {q, scale, zero};
 }
 
@@ -721,13 +721,6 @@ void add_rms_norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& res
 }
 
 // calls f with a value of the C++ type of t (float or c10::BFloat16)
-template <typename F>
-void with_type(at::ScalarType t, F&& f) {
-  if (t == at::kFloat) f(float{}); else f(c10::BFloat16{});
-}
-
-bool low_or_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; }
-
 // an output of `rows` rows of n values of dtype t, in storage for max(rows, capacity) rows (a oneDNN linear layer
 // taking it pads its rows to `capacity` in place: wde/components/models/cpu_linear.py)
 at::Tensor rows_tensor(at::IntArrayRef sizes, int64_t rows, int64_t n, int64_t capacity, const at::TensorOptions& o) {
@@ -974,16 +967,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t capacity, int64_t act) {
   TORCH_CHECK(act == SILU || act == GELU_TANH, "cpu_ops: act must be 0 (SiLU) or 2 (tanh GELU)");
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
               "cpu_ops: gate_up must be a CPU [rows, 2m] tensor whose rows are contiguous");
+  TORCH_CHECK(low_or_float(gate_up.scalar_type()), "cpu_ops: gate_up must be float32 or bfloat16");
   const int64_t rows = gate_up.size(0), m = gate_up.size(1) / 2;
   at::Tensor out = rows_tensor({rows, m}, rows, m, capacity, gate_up.options());
-  if (gate_up.scalar_type() == at::kFloat) {
-    silu_mul_impl(gate_up.data_ptr<float>(), rows, m, gate_up.stride(0), out.data_ptr<float>(), act);
-  } else if (gate_up.scalar_type() == at::kBFloat16) {
-    silu_mul_impl(gate_up.data_ptr<c10::BFloat16>(), rows, m, gate_up.stride(0), out.data_ptr<c10::BFloat16>(),
-                  act);
-  } else {
-    TORCH_CHECK(false, "cpu_ops: gate_up must be float32 or bfloat16");
-  }
+  with_type(gate_up.scalar_type(), [&](auto v) {
+    using T = decltype(v);
+    silu_mul_impl(gate_up.data_ptr<T>(), rows, m, gate_up.stride(0), out.data_ptr<T>(), act);
+  });
   return out;
 }
 

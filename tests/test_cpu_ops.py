@@ -381,6 +381,27 @@ def test_gemma_rms_norm_equals_the_reference(dtype: torch.dtype, kernel_calls: l
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32)], ids=["mixed", "bf16", "bf16-to-fp32"])
+def test_gemma_rms_norm_writes_the_linear_layers_dtype(dtypes: tuple, kernel_calls: list[int]) -> None:
+    """The first input norm of a Gemma model in mixed precision (float32 x, bfloat16 linear layers) writes bfloat16
+    in the kernel's pass, with storage for the rows a oneDNN layer pads to: what the norm then the cast gave. A
+    bfloat16 x asked for float32 keeps its rounding to bfloat16 first, as the modules round."""
+    from wde.components.models.cpu_linear import padded_rows
+
+    x_dtype, out_dtype = dtypes
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(37, 768, generator=g) * 2).to(x_dtype)
+    weight = torch.randn(768, generator=g) * 0.3
+    got = fused.gemma_rms_norm(x, weight, 1e-6, out_dtype)
+    assert kernel_calls and got.dtype == out_dtype and got.shape == x.shape
+    want = fused.gemma_rms_norm(x, weight, 1e-6).to(out_dtype)
+    assert torch.equal(got, want)
+    if x_dtype == torch.float32:
+        assert got.untyped_storage().nbytes() >= padded_rows(37) * 768 * got.element_size()
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32, None), (torch.bfloat16, torch.float32, torch.bfloat16),
                                     (torch.bfloat16, torch.bfloat16, None), (torch.float32, torch.float32, None)],
                          ids=["mixed", "mixed-bf16-out", "bf16", "fp32"])

@@ -148,20 +148,28 @@ def _is_silu(act: nn.Module) -> bool:
                                and kind.__module__ in ("transformers.activations", "wde.components.models.activations"))
 
 
-def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Gemma's RMSNorm: `x * rsqrt(mean(x^2) + eps) * (1 + weight)` in float32, cast back to x's dtype (no rounding
-    between the norm and the scale, unlike Llama's). One pass of `add_rms_norm`'s C++ kernel on CPU."""
+    between the norm and the scale, unlike Llama's). `out_dtype` (bfloat16 or None): the dtype the linear layers
+    taking the result cast it to, written in the norm's own pass (with storage for the rows a oneDNN layer pads
+    to), which equals the cast after it: x's dtype is float32 or that dtype. One pass of `add_rms_norm`'s C++
+    kernel on CPU."""
+    target = x.dtype if out_dtype is None else out_dtype
+    if target != x.dtype and x.dtype != torch.float32:  # rounded to x's dtype first, then cast
+        return gemma_rms_norm(x, weight, eps).to(target)
     scale = 1.0 + weight.float()
-    out_dtype = None if x.dtype == torch.float32 else x.dtype
-    if cpu_rms_fusable(x, None, scale, out_dtype):
+    kernel_dtype = None if target == torch.float32 else target
+    if cpu_rms_fusable(x, None, scale, kernel_dtype):
         from wde.kernels.cpp_build import cpu_ops
 
         kernel = cpu_ops()
         if kernel is not None:
             view = x.unsqueeze(1) if x.dim() == 2 else x
-            return kernel.add_rms_norm(view, None, scale, eps, out_dtype, 0, False)[0].view(x.shape)
+            capacity = 0 if out_dtype is None else _linear_rows(view.shape[0] * view.shape[1])
+            return kernel.add_rms_norm(view, None, scale, eps, kernel_dtype, capacity, False)[0].view(x.shape)
     xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale).to(target)
 
 
 def gemma_norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, post_eps: float,

@@ -58,8 +58,7 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The norm (one C++ pass on CPU); `out_dtype` as `add_rms_norm`'s, where `feeds_linear`."""
-        out = gemma_rms_norm(x, self.weight, self.eps)
-        return out if out_dtype is None or not self.feeds_linear else out.to(out_dtype)
+        return gemma_rms_norm(x, self.weight, self.eps, out_dtype if self.feeds_linear else None)
 
 
 class Gemma3Attention(nn.Module):
