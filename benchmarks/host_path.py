@@ -99,7 +99,8 @@ def main() -> None:
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
         assert vectors.shape[0] == len(texts)
         best = (wall, cpu) if best is None or wall < best[0] else best
-    floor = min(_timed(lambda: tokenizer.encode_batch(texts)) for _ in range(args.repeats))
+    encode = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch  # the engine's call
+    floor = min(_timed(lambda: encode(texts)) for _ in range(args.repeats))
     assert best is not None
     wall, cpu = best
     print(f"host path: {args.n} sentences, {tokens} tokens ({tokens / args.n:.1f} per input), executor"
