@@ -2,13 +2,16 @@
 
 Each backend builds its metadata once per batch and its `forward` is timed, on batches of about `--tokens` tokens of
 random lengths around a mean (short texts ~20-40 tokens, long ~200-500), with the shapes of all-MiniLM-L6-v2
-(12 heads x 32) and BERT base (12 x 64). Repeats are interleaved across backends and the median is reported, so a
+(12 heads x 32) and BERT base (12 x 64), or with `--model`, also head sizes the C++ kernel runs zero-padded
+(SigLIP so400m's 16 x 72, CLIP ViT-H's 16 x 80). Repeats are interleaved across backends and the median is reported, so a
 neighbour on a shared CPU slows every backend alike; the table says how fast each is against `torch_sdpa`.
 
     python benchmarks/cpu_attention.py                       # float32 and bfloat16
     python benchmarks/cpu_attention.py --dtype bfloat16 --repeats 15
     python benchmarks/cpu_attention.py --threads 1 --mean 16 --mean 128 --mean 512 --backend cpu_varlen \
         --backend cpu_flash_varlen                           # a sweep of mean lengths (each 0.6-1.4x the mean)
+    python benchmarks/cpu_attention.py --model siglip-so400m --model clip-vit-h --mean 257 --mean 729 \
+        --backend torch_sdpa --backend cpu_flash_varlen      # image towers' sequences
 
 With `--threads 1` each call is timed in CPU time (`time.process_time`), which a neighbour on a shared CPU does not
 inflate; with more threads, in wall time.
@@ -34,7 +37,11 @@ from wde.components.attention.cpu_varlen import CpuVarlenBackend  # noqa: E402
 from wde.components.attention.torch_sdpa import TorchSDPABackend  # noqa: E402
 from wde.components.model_input_builder import ModelInput  # noqa: E402
 
-MODELS = {"minilm": (12, 32), "bert-base": (12, 64)}
+MODELS = {"minilm": (12, 32), "bert-base": (12, 64),
+          # head sizes the kernel runs zero-padded (to 128): google/siglip-so400m-patch14-384's towers (1152 / 16;
+          # its 27 x 27 patches: --mean 729) and laion/CLIP-ViT-H-14's vision tower (1280 / 16; 257 tokens)
+          "siglip-so400m": (16, 72), "clip-vit-h": (16, 80)}
+DEFAULT_MODELS = ("minilm", "bert-base")
 TEXTS = {"short": (20, 40), "long": (200, 500)}
 BACKENDS = {"torch_sdpa": TorchSDPABackend, "cpu_varlen": CpuVarlenBackend, "auto": AutoBackend,
             "cpu_flash_varlen": CpuFlashVarlenBackend}
@@ -73,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--backend", action="append", choices=sorted(BACKENDS), help="default: all")
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--model", action="append", choices=sorted(MODELS),
+                    help=f"head shapes (default: {', '.join(DEFAULT_MODELS)})")
     ap.add_argument("--mean", type=int, action="append",
                     help="mean sequence lengths to sweep instead of short / long texts (lengths 0.6-1.4x the mean)")
     args = ap.parse_args(argv)
@@ -86,11 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu capability "
           f"{torch.backends.cpu.get_cpu_capability()}, causal={args.causal}; "
           f"median of {args.repeats} interleaved calls ({'CPU' if clock is time.process_time else 'wall'} time)")
-    print(f"{'dtype':9} {'model':10} {'texts':6} {'seqs':>5} " + " ".join(f"{n:>17}" for n in names))
+    print(f"{'dtype':9} {'model':13} {'texts':6} {'seqs':>5} " + " ".join(f"{n:>17}" for n in names))
     rng = random.Random(0)
     for dtype_name in args.dtype or ["float32", "bfloat16"]:
         dtype = getattr(torch, dtype_name)
-        for model, (heads, dim) in MODELS.items():
+        for model in args.model or DEFAULT_MODELS:
+            heads, dim = MODELS[model]
             for texts, (lo, hi) in texts_by_name.items():
                 lens = lengths(lo, hi, args.tokens, rng)
                 batch = packed(lens)
@@ -108,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                 med = {n: statistics.median(t) for n, t in times.items()}
                 base = med.get("torch_sdpa", next(iter(med.values())))
                 cells = " ".join(f"{med[n] * 1e3:8.2f}ms {base / med[n]:5.2f}x" for n in names)
-                print(f"{dtype_name:9} {model:10} {texts:6} {len(lens):5d} {cells}", flush=True)
+                print(f"{dtype_name:9} {model:13} {texts:6} {len(lens):5d} {cells}", flush=True)
 
 
 if __name__ == "__main__":

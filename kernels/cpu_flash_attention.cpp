@@ -12,7 +12,7 @@
 // Two inner paths. float32 inputs (and bf16 ones on CPUs without AVX512-BF16) are widened to float, and the dot
 // products and softmax run in float with GCC vector types (16 floats: one AVX-512 register, two AVX2 ones), scores
 // and outputs of 4 query rows held in registers, and a polynomial exp. bf16 inputs where the compiler targets
-// AVX512-BF16 (__AVX512BF16__) and head_dim is 32, 64, 128 or 256 take Q.K^T and P.V with vdpbf16ps (bf16 pairs along
+// AVX512-BF16 (__AVX512BF16__) take Q.K^T and P.V with vdpbf16ps (bf16 pairs along
 // the reduction, float accumulators): keys stay bf16 as pairs of dimensions (16 keys at a time through a 16 x 16
 // transpose), values are interleaved as pairs of keys, and the softmax weights P are rounded to bf16 as GPU flash
 // kernels do. On that path the softmax runs on the scores while they are still in registers, 4 rows at a time: their
@@ -20,11 +20,12 @@
 // 2.7e-6, far below the weights' bf16 rounding), written as bf16 pairs for P.V; rows and keys are prefetched ahead
 // of the blocks and conversions that read them. Where the build targets AMX (Sapphire Rapids and later) and Linux
 // grants the tile state, that path's two products run as AMX tile products instead (tdpbf16ps on the same pair
-// layouts; the softmax reads the scores back from an L1 buffer). head_dim is a template argument for 32, 64, 128 and
-// 256 (other sizes take plain loops). wde/kernels/cpp_build.py builds it for the host's own instruction set
-// (-march=native), or for AVX2 under torch's AVX2 cap.
+// layouts; the softmax reads the scores back from an L1 buffer). head_dim is a template argument for 32, 64, 96, 128
+// and 256; other sizes run zero-padded to the next of them (padded_dim). wde/kernels/cpp_build.py builds it for the
+// host's own instruction set (-march=native), or for AVX2 under torch's AVX2 cap.
 // Only the headers used (not torch/extension.h, whose parsing was most of a build's time: wde/kernels/cpp_build.py)
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
@@ -253,12 +254,12 @@ inline void with_width(int64_t nv, F&& f) {
 template <typename scalar_t, int64_t D>
 void load_kv(const Problem& pb, const Packed<const scalar_t>& k, const Packed<const scalar_t>& v, int64_t start,
              int64_t kvh, int64_t kc0, int64_t kc1, KV& kv) {
-  const int64_t d = D > 0 ? D : pb.d;
+  constexpr int64_t d = D;
   const int64_t n = kc1 - kc0;
   const int64_t tiles = (n + KB - 1) / KB;
   kv.bias.resize(tiles * KB);
   kv.masked.assign(tiles, 0);
-  const int64_t kpad = D > 0 ? (n + VW - 1) / VW * VW : tiles * KB;  // a tile's keys are read in vectors of VW
+  const int64_t kpad = (n + VW - 1) / VW * VW;  // a tile's keys are read in vectors of VW
   for (int64_t j = 0; j < tiles * KB; ++j) {
     kv.bias[j] = j >= n ? NEG_INF : (pb.key_mask == nullptr || pb.key_mask[start + kc0 + j]) ? 0.f : NEG_INF;
     if (kv.bias[j] != 0.f) kv.masked[j / KB] = 1;
@@ -303,13 +304,12 @@ inline std::pair<int64_t, int64_t> row_keys(const Problem& pb, int64_t len, int6
 template <typename scalar_t, int64_t D>
 void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Packed<scalar_t>& out, const KV& kv,
                   int64_t start, int64_t len, int64_t q0, int64_t head, int64_t kc0, int64_t kc1) {
-  constexpr bool VEC = D > 0 && D % VW == 0;
-  constexpr int64_t DB = D > 0 ? D : MAX_D;
-  const int64_t d = D > 0 ? D : pb.d;
+  static_assert(D % VW == 0, "head sizes of whole vectors (varlen_attention pads the others)");
+  constexpr int64_t d = D;
   const int64_t rows = std::min(QB, len - q0);
   const int64_t rows_padded = (rows + ROW_PAD - 1) / ROW_PAD * ROW_PAD;
-  alignas(64) float qf[QB][DB];
-  alignas(64) float acc[QB][DB];
+  alignas(64) float qf[QB][D];
+  alignas(64) float acc[QB][D];
   alignas(64) float s[QB][KB];
   alignas(64) float m[QB], mnew[QB], alpha[QB];
   vf lv[QB];  // each row's sum of weights, 16 lanes
@@ -327,23 +327,12 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
     const int64_t kb = kc0 + t * KB;
     const int64_t nk = std::min(KB, kc1 - kb);
     const float* kbias = kv.bias.data() + t * KB;
-    const int64_t nv = VEC ? (nk + VW - 1) / VW : KB / VW;  // vectors of keys computed: s[:, 0:width]
+    const int64_t nv = (nk + VW - 1) / VW;  // vectors of keys computed: s[:, 0:width]
     const int64_t width = nv * VW;
-    if constexpr (VEC) {
-      const float* kt = kv.kf.data() + t * D * KB;
-      with_width(nv, [&](auto w) {
-        for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) scores<D, w>(qf, kt, s, r0);
-      });
-    } else {
-      const float* kt = kv.kf.data() + t * d * KB;
-      for (int64_t r = 0; r < rows_padded; ++r) {
-        for (int64_t j = 0; j < KB; ++j) s[r][j] = 0.f;
-        for (int64_t c = 0; c < d; ++c) {
-          const float qc = qf[r][c];
-          for (int64_t j = 0; j < KB; ++j) s[r][j] += qc * kt[c * KB + j];
-        }
-      }
-    }
+    const float* kt = kv.kf.data() + t * D * KB;
+    with_width(nv, [&](auto w) {
+      for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) scores<D, w>(qf, kt, s, r0);
+    });
     // pass 1: mask the keys each row may not attend (only in tiles that need it); the rows' new running maxima
     const bool clean = !kv.masked[t];
     for (int64_t r = 0; r < rows_padded; ++r) {
@@ -384,20 +373,8 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
         m[r] = mnew[r];
       }
     }
-    if constexpr (VEC) {
-      const float* vt = kv.vf_.data() + t * KB * D;
-      for (int64_t r0 = 0; r0 < rows_padded; r0 += RP<D>) accumulate<D>(acc, vt, s, alpha, r0, nk);
-    } else {
-      const float* vt = kv.vf_.data() + t * KB * d;
-      for (int64_t r = 0; r < rows; ++r) {
-        float* o = acc[r];
-        for (int64_t c = 0; c < d; ++c) o[c] *= alpha[r];
-        for (int64_t j = 0; j < nk; ++j) {
-          const float p = s[r][j];
-          for (int64_t c = 0; c < d; ++c) o[c] += p * vt[j * d + c];
-        }
-      }
-    }
+    const float* vt = kv.vf_.data() + t * KB * D;
+    for (int64_t r0 = 0; r0 < rows_padded; r0 += RP<D>) accumulate<D>(acc, vt, s, alpha, r0, nk);
   }
   for (int64_t r = 0; r < rows; ++r) {
     scalar_t* dst = out.row(start + q0 + r, head);
@@ -915,13 +892,24 @@ void dispatch_dim(const Problem& pb, const at::Tensor& q, const at::Tensor& k, c
   switch (pb.d) {
     case 32: return run<scalar_t, 32, DP>(pb, q, k, v, out, nseq);
     case 64: return run<scalar_t, 64, DP>(pb, q, k, v, out, nseq);
+    case 96: return run<scalar_t, 96, DP>(pb, q, k, v, out, nseq);  // SigLIP so400m's 72, CLIP ViT-H's 80, padded
     case 128: return run<scalar_t, 128, DP>(pb, q, k, v, out, nseq);
     case 256: return run<scalar_t, 256, DP>(pb, q, k, v, out, nseq);  // Gemma 3 (EmbeddingGemma)
-    default: return run<scalar_t, 0, false>(pb, q, k, v, out, nseq);
+    default: TORCH_CHECK(false, "cpu_flash: head_dim ", pb.d, " is not 32, 64, 96, 128 or 256 (varlen_attention pads"
+                         " it)");
   }
 }
 
 }  // namespace
+
+// The head size of the kernel's vector paths (32, 64, 96, 128 or 256) a head of d dimensions runs at: the smallest
+// that holds it. Another size (SigLIP so400m's 72, CLIP ViT-H's 80, TinyBERT's 26) runs zero-padded to it, faster
+// than the plain loops it took before, the padding's wasted products included (docs/benchmarks.md).
+int64_t padded_dim(int64_t d) {
+  for (const int64_t p : {32, 64, 96, 128, 256})
+    if (d <= p) return p;
+  return d;
+}
 
 // q [tokens, hq, d], k/v [tokens, hk, d] (unit stride on d), cu_seqlens int64 [seqs + 1] on CPU, key_mask bool
 // [tokens] or None, window (left, right) with -1 for none. Returns a new [tokens, hq, d] tensor of q's dtype.
@@ -943,6 +931,16 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t nseq = cu_seqlens.numel() - 1;
   const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
   TORCH_CHECK(nseq >= 0 && cu[0] == 0 && cu[nseq] == q.size(0), "cpu_flash: cu_seqlens must span the tokens");
+  TORCH_CHECK(out_rows == -1 || out_rows >= q.size(0), "cpu_flash: out_rows (", out_rows, ") below the tokens");
+  const int64_t d = q.size(2), dp = padded_dim(d);
+  if (dp != d) {  // zero dimensions add nothing to a score and give output columns that are dropped
+    const auto pad = [&](const at::Tensor& x) { return at::constant_pad_nd(x, {0, dp - d}); };
+    const at::Tensor o = varlen_attention(pad(q), pad(k), pad(v), cu_seqlens, key_mask, causal, left, right, scale,
+                                          bf16_products, -1);
+    at::Tensor out = at::empty({std::max(out_rows, q.size(0)), q.size(1), d}, q.options()).narrow(0, 0, q.size(0));
+    out.copy_(o.narrow(2, 0, d));
+    return out;
+  }
   const bool* km = nullptr;
   if (key_mask.has_value()) {
     TORCH_CHECK(key_mask->scalar_type() == at::kBool && key_mask->is_contiguous() && key_mask->numel() == q.size(0),
@@ -952,7 +950,6 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
   constexpr int64_t NONE = std::numeric_limits<int32_t>::max();
   const Problem pb{cu, km, q.size(1), k.size(1), q.size(2), left < 0 ? NONE : left, right < 0 ? NONE : right,
                    causal, static_cast<float>(scale)};
-  TORCH_CHECK(out_rows == -1 || out_rows >= q.size(0), "cpu_flash: out_rows (", out_rows, ") below the tokens");
   const int64_t rows = std::max(out_rows, q.size(0));
   at::Tensor out = at::empty({rows, q.size(1), q.size(2)}, q.options()).narrow(0, 0, q.size(0));
   if (q.scalar_type() == at::kFloat && bf16_products && HAS_DPBF16) {

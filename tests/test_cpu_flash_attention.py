@@ -125,6 +125,31 @@ def test_matches_a_float64_reference(dtype: torch.dtype, causal: bool, window: t
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("head_dim", "padded"), [(8, 32), (26, 32), (72, 96), (80, 96), (104, 128)],
+                         ids=["d8", "d26-tinybert", "d72-siglip-so400m", "d80-clip-vit-h", "d104-vit-bigg"])
+def test_other_head_sizes_run_zero_padded_to_a_vector_path(dtype: torch.dtype, head_dim: int, padded: int,
+                                                          products: str) -> None:
+    """A head size the vector paths are not built for runs zero-padded to the next one (32, 64, 96, 128, 256): exactly
+    the call on q/k/v padded by hand, its extra output columns dropped; within the float64 reference's bound (a
+    window and a key mask too), its output holding the output projection's padded rows."""
+    from wde.components.models.cpu_linear import padded_rows
+
+    lens, q, k, v, mask = case(head_dim, dtype, head_dim, 2, True)
+    kernel = load_kernel()
+    cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int64)
+    tokens, scale = sum(lens), head_dim ** -0.5
+    out = kernel.varlen_attention(q, k, v, cu, mask, False, 5, 9, scale, False, padded_rows(tokens))
+    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+    assert out.untyped_storage().nbytes() == padded_rows(tokens) * q.shape[1] * head_dim * out.element_size()
+    pad = [torch.nn.functional.pad(x, (0, padded - head_dim)) for x in (q, k, v)]
+    by_hand = kernel.varlen_attention(*pad, cu, mask, False, 5, 9, scale)
+    assert torch.equal(out, by_hand[..., :head_dim]) and not by_hand[..., head_dim:].any()
+    expected = reference(q, k, v, lens, False, (5, 9), mask, scale)
+    assert float((out.double() - expected).abs().max()) <= tolerance(dtype, expected)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_output_holds_the_output_projections_padded_rows_in_place(dtype: torch.dtype) -> None:
     """The backend's output is the first rows of a tensor with `padded_rows` of them: the same values as an output
     of its own size, and the output projection (`onednn_linear`) pads it without a copy. `out_rows` below the
@@ -204,7 +229,7 @@ def test_a_nan_in_one_sequence_stays_in_it(dtype: torch.dtype, products: str) ->
 
 
 @needs_kernel
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 def test_bf16_takes_the_dot_product_path_where_the_cpu_has_avx512_bf16(head_dim: int, products: str) -> None:
     """Under -march=native on a CPU with avx512_bf16, bf16 Q.K^T and P.V run as vdpbf16ps (P rounded to bf16); the
     result stays within two bf16 units of the float64 reference and close to the float32 path on the same inputs."""
@@ -223,7 +248,7 @@ def test_bf16_takes_the_dot_product_path_where_the_cpu_has_avx512_bf16(head_dim:
 
 
 @needs_kernel
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 def test_amx_tiles_where_the_cpu_has_amx_and_the_same_attention_as_vdpbf16ps(head_dim: int) -> None:
     """On a CPU with AMX (Sapphire Rapids and later) the bf16 path's Q.K^T and P.V run as tile products; they give
     the vdpbf16ps path's result within bf16 rounding (the same bf16 inputs and weights, another summation order)."""
@@ -252,16 +277,16 @@ def test_amx_tiles_where_the_cpu_has_amx_and_the_same_attention_as_vdpbf16ps(hea
 @pytest.mark.parametrize("head_dim", [32, 64, 48])
 def test_float32_inputs_take_bf16_products_when_asked(head_dim: int, products: str) -> None:
     """`bf16_products` (an int8 model's attention): float32 q/k/v are rounded to bf16 as they are read and take the
-    dot-product path, float32 out, within the bf16 path's bound; where the build has no such path (no AVX512-BF16,
-    or head_dim 48), the call is the float32 one, bit for bit. Through the backend: off until `use_bf16_products`,
-    which says whether it took."""
+    dot-product path, float32 out, within the bf16 path's bound (head_dim 48 too, zero-padded to 64); where the build
+    has no such path (no AVX512-BF16), the call is the float32 one, bit for bit. Through the backend: off until
+    `use_bf16_products`, which says whether it took."""
     kernel = load_kernel()
     lens, q, k, v, mask = case(head_dim + 1, torch.float32, head_dim, 2, True)
     cu = torch.tensor([0] + lens).cumsum(0)
     exact = kernel.varlen_attention(q, k, v, cu, mask, False, -1, -1, head_dim ** -0.5)
     out = kernel.varlen_attention(q, k, v, cu, mask, False, -1, -1, head_dim ** -0.5, True)
     assert out.dtype == torch.float32
-    if kernel.bf16_dot_products() and head_dim != 48:
+    if kernel.bf16_dot_products():
         rounded = [x.bfloat16() for x in (q, k, v)]
         expected = reference(*rounded, lens, False, None, mask, head_dim ** -0.5)
         assert float((out.double() - expected).abs().max()) <= tolerance(torch.bfloat16, expected)
