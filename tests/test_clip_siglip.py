@@ -123,6 +123,31 @@ def test_vision_tower_equals_get_image_features(family: str, request: pytest.Fix
     assert np.abs(dense(engine, images) - ref.image(images)).max() <= 1e-4  # PIL images
 
 
+@pytest.mark.parametrize("family", ["clip", "siglip"])
+def test_a_patch_size_that_does_not_divide_the_image_leaves_its_last_pixels_out(family: str, tmp_path: Path) -> None:
+    """google/siglip-so400m-patch14-384's 384-pixel images cut in 14-pixel patches: 27 x 27 of them, the last 6 pixels
+    of each side in no patch, as transformers' stride-14 convolution leaves them (the tiny towers: 32 pixels, 6-pixel
+    patches, 5 x 5 and 2 left out). Both towers' image features equal `get_image_features`; before, refused."""
+    from tests.tiny_clip import build_clip
+
+    build = build_clip if family == "clip" else build_siglip
+    folder = build(tmp_path / family, image_size=32, patch_size=6)
+    ref = Reference(folder)
+    images = odd_images()
+    with Engine.from_workflow(family, folder) as engine:
+        assert engine.input_processor.image_size == (32, 32)
+        want = ref.image(images)
+        got = dense(engine, images)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1e-4
+    cut = np.asarray(images[0].convert("RGB").resize((32, 32)), dtype=np.uint8).copy()
+    cut[-2:, :] = 255 - cut[-2:, :]  # pixels in no patch: the features do not change
+    cut[:, -2:] = 255 - cut[:, -2:]
+    with Engine.from_workflow(family, folder) as engine:
+        a, b = dense(engine, [Image.fromarray(np.asarray(images[0].convert("RGB").resize((32, 32)))),
+                              Image.fromarray(cut)])
+    assert np.abs(a - b).max() <= 1e-6
+
+
 def test_clip_legacy_eos_token_id_pools_the_highest_token_id(clip_path: Path, tmp_path: Path) -> None:
     """Configs from before transformers #24773 say eos_token_id 2; transformers then pools at the highest id."""
     folder = tmp_path / "legacy-eos"

@@ -78,7 +78,7 @@ def _save(folder: Path, model_cls: type, cfg: object, jitter_seed: int, tokenize
 
 
 def build_clip(folder: Path, *, eos_token_id: int | None = None, text_hidden: int = 32, vision_hidden: int = 32,
-               act: str = "quick_gelu") -> Path:
+               act: str = "quick_gelu", image_size: int = 30, patch_size: int = 6) -> Path:
     from transformers import CLIPConfig, CLIPModel
 
     tok = clip_tokenizer()
@@ -88,17 +88,18 @@ def build_clip(folder: Path, *, eos_token_id: int | None = None, text_hidden: in
                          bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
                          eos_token_id=tok.eos_token_id if eos_token_id is None else eos_token_id),
         vision_config=dict(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=2,
-                           num_attention_heads=4, image_size=30, patch_size=6, hidden_act=act),
+                           num_attention_heads=4, image_size=image_size, patch_size=patch_size, hidden_act=act),
         projection_dim=24)
     cfg.architectures = ["CLIPModel"]
     return _save(folder, CLIPModel, cfg, 1, tok, {
-        "image_processor_type": "CLIPImageProcessor", "do_resize": True, "size": {"shortest_edge": 30},
-        "resample": 3, "do_center_crop": True, "crop_size": {"height": 30, "width": 30}, "do_rescale": True,
+        "image_processor_type": "CLIPImageProcessor", "do_resize": True, "size": {"shortest_edge": image_size},
+        "resample": 3, "do_center_crop": True, "crop_size": {"height": image_size, "width": image_size},
+        "do_rescale": True,
         "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True})
 
 
-def build_siglip(folder: Path) -> Path:
+def build_siglip(folder: Path, *, image_size: int = 30, patch_size: int = 6) -> Path:
     from transformers import SiglipConfig, SiglipModel
 
     tok = siglip_tokenizer()
@@ -107,10 +108,11 @@ def build_siglip(folder: Path) -> Path:
                          num_attention_heads=4, max_position_embeddings=32, pad_token_id=tok.pad_token_id,
                          eos_token_id=tok.eos_token_id, bos_token_id=None, projection_size=32),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           image_size=30, patch_size=6))
+                           image_size=image_size, patch_size=patch_size))
     cfg.architectures = ["SiglipModel"]
     return _save(folder, SiglipModel, cfg, 2, tok, {
-        "image_processor_type": "SiglipImageProcessor", "do_resize": True, "size": {"height": 30, "width": 30},
+        "image_processor_type": "SiglipImageProcessor", "do_resize": True,
+        "size": {"height": image_size, "width": image_size},
         "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True})
 

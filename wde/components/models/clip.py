@@ -198,9 +198,11 @@ class ClipModel(PrefillModel):
         self.build_towers(cfg)
 
     def check_vision(self, vision: object) -> None:
-        """Refuse a vision config this tower cannot take (here: a patch size that does not divide the image)."""
-        if vision.image_size % vision.patch_size:
-            raise ModelLoadError(f"vision_config: patch_size {vision.patch_size} does not divide image_size"
+        """Refuse a vision config this tower cannot take (here: an image smaller than one patch). A patch size that
+        does not divide the image is taken as transformers takes it (google/siglip-so400m-patch14-384: 27 x 27
+        patches of 14 pixels): the stride-`patch_size` convolution leaves out the last pixels that fill no patch."""
+        if not 0 < vision.patch_size <= vision.image_size:
+            raise ModelLoadError(f"vision_config: patch_size {vision.patch_size} must be between 1 and image_size"
                                  f" {vision.image_size}")
 
     def build_towers(self, cfg: object) -> None:
