@@ -12,10 +12,9 @@
 // Two inner paths. float32 inputs (and bf16 ones on CPUs without AVX512-BF16) are widened to float, and the dot
 // products and softmax run in float with GCC vector types (16 floats: one AVX-512 register, two AVX2 ones), scores
 // and outputs of 4 query rows held in registers, and a polynomial exp. bf16 inputs where the compiler targets
-// AVX512-BF16 (__AVX512BF16__) take Q.K^T and P.V with vdpbf16ps (bf16 pairs along
-// the reduction, float accumulators): keys stay bf16 as pairs of dimensions (16 keys at a time through a 16 x 16
-// transpose), values are interleaved as pairs of keys, and the softmax weights P are rounded to bf16 as GPU flash
-// kernels do. On that path the softmax runs on the scores while they are still in registers, 4 rows at a time: their
+// AVX512-BF16 (__AVX512BF16__) take Q.K^T and P.V with vdpbf16ps (bf16 pairs along the reduction, float
+// accumulators): keys stay bf16 as pairs of dimensions (16 keys at a time through a 16 x 16 transpose), values are
+// interleaved as pairs of keys, and the softmax weights P are rounded to bf16 as GPU flash kernels do. On that path the softmax runs on the scores while they are still in registers, 4 rows at a time: their
 // maxima reduced together, the weights as 2^((s - max) scale log2 e) with a degree-4 polynomial (relative error
 // 2.7e-6, far below the weights' bf16 rounding), written as bf16 pairs for P.V; rows and keys are prefetched ahead
 // of the blocks and conversions that read them. Where the build targets AMX (Sapphire Rapids and later) and Linux

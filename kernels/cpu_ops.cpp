@@ -720,7 +720,6 @@ void add_rms_norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& res
   });
 }
 
-// calls f with a value of the C++ type of t (float or c10::BFloat16)
 // an output of `rows` rows of n values of dtype t, in storage for max(rows, capacity) rows (a oneDNN linear layer
 // taking it pads its rows to `capacity` in place: wde/components/models/cpu_linear.py)
 at::Tensor rows_tensor(at::IntArrayRef sizes, int64_t rows, int64_t n, int64_t capacity, const at::TensorOptions& o) {
