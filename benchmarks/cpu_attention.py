@@ -38,7 +38,7 @@ from wde.components.attention.torch_sdpa import TorchSDPABackend  # noqa: E402
 from wde.components.model_input_builder import ModelInput  # noqa: E402
 
 MODELS = {"minilm": (12, 32), "bert-base": (12, 64),
-          # head sizes the kernel runs zero-padded (to 128): google/siglip-so400m-patch14-384's towers (1152 / 16;
+          # head sizes the kernel runs zero-padded (to 96): google/siglip-so400m-patch14-384's towers (1152 / 16;
           # its 27 x 27 patches: --mean 729) and laion/CLIP-ViT-H-14's vision tower (1280 / 16; 257 tokens)
           "siglip-so400m": (16, 72), "clip-vit-h": (16, 80)}
 DEFAULT_MODELS = ("minilm", "bert-base")

@@ -134,17 +134,16 @@ def test_a_patch_size_that_does_not_divide_the_image_leaves_its_last_pixels_out(
     folder = build(tmp_path / family, image_size=32, patch_size=6)
     ref = Reference(folder)
     images = odd_images()
-    with Engine.from_workflow(family, folder) as engine:
-        assert engine.input_processor.image_size == (32, 32)
-        want = ref.image(images)
-        got = dense(engine, images)
-    assert got.shape == want.shape and np.abs(got - want).max() <= 1e-4
-    cut = np.asarray(images[0].convert("RGB").resize((32, 32)), dtype=np.uint8).copy()
+    whole = np.asarray(images[0].convert("RGB").resize((32, 32)), dtype=np.uint8)
+    cut = whole.copy()
     cut[-2:, :] = 255 - cut[-2:, :]  # pixels in no patch: the features do not change
     cut[:, -2:] = 255 - cut[:, -2:]
     with Engine.from_workflow(family, folder) as engine:
-        a, b = dense(engine, [Image.fromarray(np.asarray(images[0].convert("RGB").resize((32, 32)))),
-                              Image.fromarray(cut)])
+        assert engine.input_processor.image_size == (32, 32)
+        got = dense(engine, images)
+        a, b = dense(engine, [Image.fromarray(whole), Image.fromarray(cut)])
+    want = ref.image(images)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1e-4
     assert np.abs(a - b).max() <= 1e-6
 
 
