@@ -20,11 +20,10 @@
 // of the blocks and conversions that read them. Where the build targets AMX (Sapphire Rapids and later) and Linux
 // grants the tile state, that path's two products run as AMX tile products instead (tdpbf16ps on the same pair
 // layouts; the softmax reads the scores back from an L1 buffer). head_dim is a template argument for 32, 64, 96, 128
-// and 256; other sizes run zero-padded to the next of them (padded_dim). wde/kernels/cpp_build.py builds it for the
-// host's own instruction set (-march=native), or for AVX2 under torch's AVX2 cap.
+// and 256; a smaller head runs at the next of them, its rows read zero-padded (HEAD_SIZES). wde/kernels/cpp_build.py
+// builds it for the host's own instruction set (-march=native), or for AVX2 under torch's AVX2 cap.
 // Only the headers used (not torch/extension.h, whose parsing was most of a build's time: wde/kernels/cpp_build.py)
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
@@ -35,6 +34,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <limits>
 #include <tuple>
 #include <type_traits>
@@ -59,7 +59,7 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 struct Problem {
   const int64_t* cu;
   const bool* key_mask;  // nullptr: every key may be attended
-  int64_t hq, hk, d;
+  int64_t hq, hk, d;  // d: the head size; the template's D may be larger (the rest read as zeros)
   int64_t left, right;  // window; huge when there is none
   bool causal;
   float scale;
@@ -254,6 +254,7 @@ template <typename scalar_t, int64_t D>
 void load_kv(const Problem& pb, const Packed<const scalar_t>& k, const Packed<const scalar_t>& v, int64_t start,
              int64_t kvh, int64_t kc0, int64_t kc1, KV& kv) {
   constexpr int64_t d = D;
+  const int64_t dr = pb.d;  // dimensions read; d - dr zeros after them
   const int64_t n = kc1 - kc0;
   const int64_t tiles = (n + KB - 1) / KB;
   kv.bias.resize(tiles * KB);
@@ -273,9 +274,11 @@ void load_kv(const Problem& pb, const Packed<const scalar_t>& k, const Packed<co
     const scalar_t* ks = k.row(start + kc0 + j, kvh);
     const scalar_t* vs = v.row(start + kc0 + j, kvh);
     float* kt = kv.kf.data() + (j / KB) * d * KB + j % KB;
-    for (int64_t c = 0; c < d; ++c) kt[c * KB] = static_cast<float>(ks[c]);
+    for (int64_t c = 0; c < dr; ++c) kt[c * KB] = static_cast<float>(ks[c]);
+    for (int64_t c = dr; c < d; ++c) kt[c * KB] = 0.f;
     float* vt = kv.vf_.data() + j * d;
-    for (int64_t c = 0; c < d; ++c) vt[c] = static_cast<float>(vs[c]);
+    for (int64_t c = 0; c < dr; ++c) vt[c] = static_cast<float>(vs[c]);
+    for (int64_t c = dr; c < d; ++c) vt[c] = 0.f;
   }
 }
 
@@ -303,8 +306,9 @@ inline std::pair<int64_t, int64_t> row_keys(const Problem& pb, int64_t len, int6
 template <typename scalar_t, int64_t D>
 void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Packed<scalar_t>& out, const KV& kv,
                   int64_t start, int64_t len, int64_t q0, int64_t head, int64_t kc0, int64_t kc1) {
-  static_assert(D % VW == 0, "head sizes of whole vectors (varlen_attention pads the others)");
+  static_assert(D % VW == 0, "head sizes of whole vectors (a smaller head is read zero-padded to one)");
   constexpr int64_t d = D;
+  const int64_t dr = pb.d;  // dimensions read and written
   const int64_t rows = std::min(QB, len - q0);
   const int64_t rows_padded = (rows + ROW_PAD - 1) / ROW_PAD * ROW_PAD;
   alignas(64) float qf[QB][D];
@@ -317,7 +321,7 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
   std::fill(mnew, mnew + QB, NEG_INF);
   for (int64_t r = 0; r < rows_padded; ++r) {
     const scalar_t* src = r < rows ? q.row(start + q0 + r, head) : nullptr;
-    for (int64_t c = 0; c < d; ++c) qf[r][c] = src ? static_cast<float>(src[c]) * pb.scale : 0.f;
+    for (int64_t c = 0; c < d; ++c) qf[r][c] = src && c < dr ? static_cast<float>(src[c]) * pb.scale : 0.f;
     for (int64_t c = 0; c < d; ++c) acc[r][c] = 0.f;
     lv[r] = vf{};
   }
@@ -379,7 +383,7 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
     scalar_t* dst = out.row(start + q0 + r, head);
     const float l = vsum(lv[r]);
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<scalar_t>(acc[r][c] * inv);
+    for (int64_t c = 0; c < dr; ++c) dst[c] = static_cast<scalar_t>(acc[r][c] * inv);
   }
 }
 
@@ -603,16 +607,29 @@ inline void accumulate_amx(float (*acc)[D], const uint32_t* vt, const uint32_t (
 }
 #endif
 
-// a row of D values as D / 2 pairs of bf16 (float ones rounded to nearest even)
+// lanes [0, n) of a vector of 16 (all for n >= 16, none for n <= 0)
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= VW ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+// a row of D values as D / 2 pairs of bf16 (float ones rounded to nearest even); only its first n values are read
+// (a head smaller than the template's D), the rest are zeros: masked loads, which read nothing past them
 template <int64_t D>
-inline void load_pairs(const c10::BFloat16* src, uint32_t* dst) {
-  for (int64_t c = 0; c < D; c += 2 * VW) _mm512_storeu_si512(dst + c / 2, _mm512_loadu_si512(src + c));
+inline void load_pairs(const c10::BFloat16* src, uint32_t* dst, int64_t n = D) {
+  for (int64_t c = 0; c < D; c += 2 * VW) {
+    const __m512i x = n >= c + 2 * VW ? _mm512_loadu_si512(src + c) : _mm512_maskz_loadu_epi16(
+        __mmask32(first_lanes(n - c)) | __mmask32(first_lanes(n - c - VW)) << 16, src + c);
+    _mm512_storeu_si512(dst + c / 2, x);
+  }
 }
 template <int64_t D>
-inline void load_pairs(const float* src, uint32_t* dst) {
-  for (int64_t c = 0; c < D; c += 2 * VW)
-    _mm512_storeu_si512(dst + c / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + c + VW),
-                                                                   _mm512_loadu_ps(src + c)));
+inline void load_pairs(const float* src, uint32_t* dst, int64_t n = D) {
+  for (int64_t c = 0; c < D; c += 2 * VW) {
+    const __m512 lo = n >= c + VW ? _mm512_loadu_ps(src + c) : _mm512_maskz_loadu_ps(first_lanes(n - c), src + c);
+    const __m512 hi = n >= c + 2 * VW ? _mm512_loadu_ps(src + c + VW)
+                                      : _mm512_maskz_loadu_ps(first_lanes(n - c - VW), src + c + VW);
+    _mm512_storeu_si512(dst + c / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
 }
 
 // 16 x 16 transpose of 32-bit lanes: r[c] then holds lane c of each of the 16 rows given
@@ -675,7 +692,7 @@ void load_kv_dp(const Problem& pb, const Packed<const scalar_t>& k, const Packed
       for (int64_t jj = 0; jj < VW; ++jj) {
         alignas(64) uint32_t row[D / 2];
         if (j0 + jj < n) {
-          load_pairs<2 * VW>(k.row(start + kc0 + j0 + jj, kvh) + 2 * cc, row);
+          load_pairs<2 * VW>(k.row(start + kc0 + j0 + jj, kvh) + 2 * cc, row, pb.d - 2 * cc);
           r[jj] = _mm512_load_si512(row);
         } else {
           r[jj] = _mm512_setzero_si512();
@@ -692,8 +709,8 @@ void load_kv_dp(const Problem& pb, const Packed<const scalar_t>& k, const Packed
     uint32_t* vt = kv.v2.data() + (j / 2) * D;
     for (int64_t c = 0; c < D; c += 2 * VW) {
       alignas(64) uint32_t a[VW], b[VW];
-      load_pairs<2 * VW>(v.row(start + kc0 + j, kvh) + c, a);
-      if (j + 1 < n) load_pairs<2 * VW>(v.row(start + kc0 + j + 1, kvh) + c, b);
+      load_pairs<2 * VW>(v.row(start + kc0 + j, kvh) + c, a, pb.d - c);
+      if (j + 1 < n) load_pairs<2 * VW>(v.row(start + kc0 + j + 1, kvh) + c, b, pb.d - c);
       else std::fill(b, b + VW, 0u);
       const __m512i x = _mm512_load_si512(a), y = _mm512_load_si512(b);
       _mm512_storeu_si512(vt + c, _mm512_permutex2var_epi16(x, lo, y));
@@ -722,7 +739,7 @@ void attend_block_dp(const Problem& pb, const Packed<const scalar_t>& q, const P
   for (int64_t r = 0; r < std::min(QB, len - q0 - QB); ++r)  // the next block's queries, while this one runs
     _mm_prefetch(reinterpret_cast<const char*>(q.row(start + q0 + QB + r, head)), _MM_HINT_T0);
   for (int64_t r = 0; r < rows_padded; ++r) {
-    if (r < rows) load_pairs<D>(q.row(start + q0 + r, head), q2[r]);
+    if (r < rows) load_pairs<D>(q.row(start + q0 + r, head), q2[r], pb.d);
     else std::fill(q2[r], q2[r] + D / 2, 0u);
     std::fill(acc[r], acc[r] + D, 0.f);
     st.m[r] = MASKED;
@@ -768,10 +785,11 @@ void attend_block_dp(const Problem& pb, const Packed<const scalar_t>& q, const P
     scalar_t* dst = out.row(start + q0 + r, head);
     const float l = _mm512_reduce_add_ps(st.l[r]);
     const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
-    for (int64_t x = 0; x < D; x += VW) {
+    for (int64_t x = 0; x < pb.d; x += VW) {  // the head's own dimensions (a smaller head: masked stores)
       const __m512 o = _mm512_mul_ps(_mm512_load_ps(acc[r] + x), inv);
-      if constexpr (std::is_same_v<scalar_t, float>) _mm512_storeu_ps(dst + x, o);
-      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + x), (__m256i)_mm512_cvtneps_pbh(o));
+      const __mmask16 lanes = first_lanes(pb.d - x);
+      if constexpr (std::is_same_v<scalar_t, float>) _mm512_mask_storeu_ps(dst + x, lanes, o);
+      else _mm256_mask_storeu_epi16(dst + x, lanes, (__m256i)_mm512_cvtneps_pbh(o));
     }
   }
 }
@@ -885,30 +903,22 @@ void run(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::
   });
 }
 
-template <typename scalar_t, bool DP>
+// The head sizes the kernel is built for; a head of d dimensions runs at the smallest that holds it, its rows read
+// zero-padded to that size in the kernel's loads and only its own d columns written. SigLIP so400m's 72 and CLIP
+// ViT-H's 80 run at 96, TinyBERT's 26 at 32: faster than scalar loops over d, the wasted products included
+// (docs/benchmarks.md).
+constexpr int64_t HEAD_SIZES[] = {32, 64, 96, 128, 256};
+
+template <typename scalar_t, bool DP, size_t I = 0>
 void dispatch_dim(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                   int64_t nseq) {
-  switch (pb.d) {
-    case 32: return run<scalar_t, 32, DP>(pb, q, k, v, out, nseq);
-    case 64: return run<scalar_t, 64, DP>(pb, q, k, v, out, nseq);
-    case 96: return run<scalar_t, 96, DP>(pb, q, k, v, out, nseq);  // SigLIP so400m's 72, CLIP ViT-H's 80, padded
-    case 128: return run<scalar_t, 128, DP>(pb, q, k, v, out, nseq);
-    case 256: return run<scalar_t, 256, DP>(pb, q, k, v, out, nseq);  // Gemma 3 (EmbeddingGemma)
-    default: TORCH_CHECK(false, "cpu_flash: head_dim ", pb.d, " is not 32, 64, 96, 128 or 256 (varlen_attention pads"
-                         " it)");
-  }
+  constexpr int64_t D = HEAD_SIZES[I];
+  if (pb.d <= D) return run<scalar_t, D, DP>(pb, q, k, v, out, nseq);
+  if constexpr (I + 1 < std::size(HEAD_SIZES)) return dispatch_dim<scalar_t, DP, I + 1>(pb, q, k, v, out, nseq);
+  TORCH_CHECK(false, "cpu_flash: head_dim ", pb.d, " above ", D);
 }
 
 }  // namespace
-
-// The head size of the kernel's vector paths (32, 64, 96, 128 or 256) a head of d dimensions runs at: the smallest
-// that holds it. Another size (SigLIP so400m's 72, CLIP ViT-H's 80, TinyBERT's 26) runs zero-padded to it, faster
-// than the plain loops it took before, the padding's wasted products included (docs/benchmarks.md).
-int64_t padded_dim(int64_t d) {
-  for (const int64_t p : {32, 64, 96, 128, 256})
-    if (d <= p) return p;
-  return d;
-}
 
 // q [tokens, hq, d], k/v [tokens, hk, d] (unit stride on d), cu_seqlens int64 [seqs + 1] on CPU, key_mask bool
 // [tokens] or None, window (left, right) with -1 for none. Returns a new [tokens, hq, d] tensor of q's dtype.
@@ -931,15 +941,6 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
   TORCH_CHECK(nseq >= 0 && cu[0] == 0 && cu[nseq] == q.size(0), "cpu_flash: cu_seqlens must span the tokens");
   TORCH_CHECK(out_rows == -1 || out_rows >= q.size(0), "cpu_flash: out_rows (", out_rows, ") below the tokens");
-  const int64_t d = q.size(2), dp = padded_dim(d);
-  if (dp != d) {  // zero dimensions add nothing to a score and give output columns that are dropped
-    const auto pad = [&](const at::Tensor& x) { return at::constant_pad_nd(x, {0, dp - d}); };
-    const at::Tensor o = varlen_attention(pad(q), pad(k), pad(v), cu_seqlens, key_mask, causal, left, right, scale,
-                                          bf16_products, -1);
-    at::Tensor out = at::empty({std::max(out_rows, q.size(0)), q.size(1), d}, q.options()).narrow(0, 0, q.size(0));
-    out.copy_(o.narrow(2, 0, d));
-    return out;
-  }
   const bool* km = nullptr;
   if (key_mask.has_value()) {
     TORCH_CHECK(key_mask->scalar_type() == at::kBool && key_mask->is_contiguous() && key_mask->numel() == q.size(0),

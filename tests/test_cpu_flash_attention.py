@@ -129,9 +129,10 @@ def test_matches_a_float64_reference(dtype: torch.dtype, causal: bool, window: t
                          ids=["d8", "d26-tinybert", "d72-siglip-so400m", "d80-clip-vit-h", "d104-vit-bigg"])
 def test_other_head_sizes_run_zero_padded_to_a_vector_path(dtype: torch.dtype, head_dim: int, padded: int,
                                                           products: str) -> None:
-    """A head size the vector paths are not built for runs zero-padded to the next one (32, 64, 96, 128, 256): exactly
-    the call on q/k/v padded by hand, its extra output columns dropped; within the float64 reference's bound (a
-    window and a key mask too), its output holding the output projection's padded rows."""
+    """A head size the vector paths are not built for runs at the next one (32, 64, 96, 128, 256), its rows read
+    zero-padded by the kernel's loads (q/k/v are strided views whose neighbouring heads are not zeros): exactly the
+    call on q/k/v padded by hand, its extra output columns dropped; within the float64 reference's bound (a window
+    and a key mask too), its output holding the output projection's padded rows."""
     from wde.components.models.cpu_linear import padded_rows
 
     lens, q, k, v, mask = case(head_dim, dtype, head_dim, 2, True)
