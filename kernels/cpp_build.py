@@ -65,7 +65,9 @@ def isa_flags() -> list[str]:
     return _ISA_FLAGS.get(cap, ["-march=native"])
 
 
+@functools.cache
 def cpu_flags() -> str:
+    """/proc/cpuinfo's first `flags` line (read once: `auto` attention asks it for every batch)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):

@@ -561,8 +561,9 @@ def test_quantized_rows_are_padded_to_the_multiple_with_zeros(kernel: bool, monk
     assert int8_linear.quantize_rows(x[:32], None, 32)[0].shape == (32, 64)  # a multiple already: no padding
     big = torch.randn(1900, 8, generator=torch.Generator().manual_seed(6))
     assert int8_linear.quantize_rows(big, None, 32)[0].shape == (1920, 8)  # 1/16-1/8 of the rows: 128 here
-    assert [padded_rows(n) for n in (1, 32, 33, 511, 512, 513, 1900, 2048, 2049)] == [
-        32, 32, 64, 512, 512, 576, 1920, 2048, 2304]
+    assert [padded_rows(n) for n in (1, 8, 9, 16, 17, 32, 33, 511, 512, 513, 1900, 2048, 2049)] == [
+        8, 8, 16, 16, 32, 32, 64, 512, 512, 576, 1920, 2048, 2304]  # under 32: 8, 16 or 32 (a short query's GEMMs)
+    assert int8_linear.quantize_rows(x[:5], None, 32)[0].shape == (8, 64)
     if kernel:  # the kernel takes the count `padded_rows` gives (the rule's one home) and refuses one below the rows
         with pytest.raises(RuntimeError, match="padded"):
             int8_linear.int8_kernel().quantize_rows(x, None, 44)

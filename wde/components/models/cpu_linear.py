@@ -54,11 +54,22 @@ shape has at most 8 row counts an octave, at under 1/8 extra rows a GEMM (3-6% o
 so (fewer primitives to build); later passes 828-841 against 853-867 ms (the extra rows)."""
 
 
+SMALL_ROWS = 8
+"""Fewer rows than `ROW_MULTIPLE` are rounded up to a power of two from this: 8, 16 or 32 (two more primitives a
+shape), so that one short query's GEMMs do not run 32 rows, 4 to 8 times its own (all-MiniLM-L6-v2, one 4-token
+input, sync executor, best of 200: int8 4.9-6.4 -> 3.0-3.3 ms an `embed`, bf16 5.6 -> 4.1 ms; Zen 4,
+docs/benchmarks.md)."""
+
+
 def padded_rows(rows: int, multiple: int = ROW_MULTIPLE) -> int:
     """`rows` rounded up to a multiple of `multiple`, and above 16 multiples to 1/16-1/8 of `rows` (a power of two):
-    at most 8 row counts an octave, at under 1/8 extra rows; `multiple` 1: `rows`. The rule's one home: int8's
-    kernels (kernels/cpu_ops.cpp) are handed the count it gives."""
-    step = 1 if multiple == 1 else max(multiple, 1 << max(0, rows.bit_length() - 4))
+    at most 8 row counts an octave, at under 1/8 extra rows; below `multiple`, to a power of two from `SMALL_ROWS`;
+    `multiple` 1: `rows`. The rule's one home: int8's kernels (kernels/cpu_ops.cpp) are handed the count it gives."""
+    if multiple == 1:
+        return rows
+    if 0 < rows < multiple:
+        return min(multiple, max(SMALL_ROWS, 1 << (rows - 1).bit_length()))
+    step = max(multiple, 1 << max(0, rows.bit_length() - 4))
     return -(-rows // step) * step
 
 
