@@ -48,7 +48,8 @@ has not seen, and packed batches rarely repeat a token count. On AVX-512 that is
 first pass over a corpus ran 13% slower than its second; MiniLM, Zen 5); AMX's kernels take 2-14 ms to build,
 3-6x the GEMM itself (MiniLM's shapes at ~2,000 rows; Intel Xeon with AMX), and with the cache capped at 64
 primitives (below) 200 long texts in 21 distinct counts x 4 shapes rebuilt every primitive on every pass: 42% of a
-bf16 run. Rounded (`padded_rows`: to 32 rows up to 512, then to 1/16-1/8 of the count: 1,900 -> 1,920), a (K, N)
+bf16 run. Rounded (`padded_rows`: under 32 rows to 8, 16 or 32 (`SMALL_ROWS`), then to multiples of 32 up to 512,
+then to 1/16-1/8 of the count: 1,900 -> 1,920), a (K, N)
 shape has at most 8 row counts an octave, at under 1/8 extra rows a GEMM (3-6% on average). Measured there, MiniLM,
 200 long texts, bf16, alternated three times: a first pass over them 939-963 ms with rows rounded to 32, 849-892 ms
 so (fewer primitives to build); later passes 828-841 against 853-867 ms (the extra rows)."""
