@@ -10,18 +10,19 @@
 // token) adds -inf to the scores of masked keys. A row left with no key to attend outputs zeros.
 //
 // Two inner paths. float32 inputs (and bf16 ones on CPUs without AVX512-BF16) are widened to float, and the dot
-// products and softmax run in float with GCC vector types (16 floats: one AVX-512 register, two AVX2 ones), scores
-// and outputs of 4 query rows held in registers, and a polynomial exp. bf16 inputs where the compiler targets
-// AVX512-BF16 (__AVX512BF16__) take Q.K^T and P.V with vdpbf16ps (bf16 pairs along the reduction, float
-// accumulators): keys stay bf16 as pairs of dimensions (16 keys at a time through a 16 x 16 transpose), values are
-// interleaved as pairs of keys, and the softmax weights P are rounded to bf16 as GPU flash kernels do. On that path the softmax runs on the scores while they are still in registers, 4 rows at a time: their
-// maxima reduced together, the weights as 2^((s - max) scale log2 e) with a degree-4 polynomial (relative error
-// 2.7e-6, far below the weights' bf16 rounding), written as bf16 pairs for P.V; rows and keys are prefetched ahead
-// of the blocks and conversions that read them. Where the build targets AMX (Sapphire Rapids and later) and Linux
-// grants the tile state, that path's two products run as AMX tile products instead (tdpbf16ps on the same pair
-// layouts; the softmax reads the scores back from an L1 buffer). head_dim is a template argument for 32, 64, 96, 128
-// and 256; a smaller head runs at the next of them, its rows read zero-padded (HEAD_SIZES). wde/kernels/cpp_build.py
-// builds it for the host's own instruction set (-march=native), or for AVX2 under torch's AVX2 cap.
+// products and softmax run in float with GCC vector types (16 floats: one AVX-512 register, two AVX2 ones), scores and
+// outputs of 4 query rows held in registers, and a polynomial exp. bf16 inputs where the compiler targets AVX512-BF16
+// (__AVX512BF16__) take Q.K^T and P.V with vdpbf16ps (bf16 pairs along the reduction, float accumulators): keys stay
+// bf16 as pairs of dimensions (16 keys at a time through a 16 x 16 transpose), values are interleaved as pairs of keys,
+// and the softmax weights P are rounded to bf16 as GPU flash kernels do. On that path the softmax runs on the scores
+// while they are still in registers, 4 rows at a time: their maxima reduced together, the weights as 2^((s - max) scale
+// log2 e) with a degree-4 polynomial (relative error 2.7e-6, far below the weights' bf16 rounding), written as bf16
+// pairs for P.V; rows and keys are prefetched ahead of the blocks and conversions that read them. Where the build
+// targets AMX (Sapphire Rapids and later) and Linux grants the tile state, that path's two products run as AMX tile
+// products instead (tdpbf16ps on the same pair layouts; the softmax reads the scores back from an L1 buffer). head_dim
+// is a template argument for 32, 64, 96, 128 and 256; a smaller head runs at the next of them, its rows read
+// zero-padded (HEAD_SIZES). wde/kernels/cpp_build.py builds it for the host's own instruction set (-march=native), or
+// for AVX2 under torch's AVX2 cap.
 // Only the headers used (not torch/extension.h, whose parsing was most of a build's time: wde/kernels/cpp_build.py)
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -607,27 +608,22 @@ inline void accumulate_amx(float (*acc)[D], const uint32_t* vt, const uint32_t (
 }
 #endif
 
-// lanes [0, n) of a vector of 16 (all for n >= 16, none for n <= 0)
-inline __mmask16 first_lanes(int64_t n) {
-  return n >= VW ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
-}
-
 // a row of D values as D / 2 pairs of bf16 (float ones rounded to nearest even); only its first n values are read
 // (a head smaller than the template's D), the rest are zeros: masked loads, which read nothing past them
 template <int64_t D>
 inline void load_pairs(const c10::BFloat16* src, uint32_t* dst, int64_t n = D) {
   for (int64_t c = 0; c < D; c += 2 * VW) {
     const __m512i x = n >= c + 2 * VW ? _mm512_loadu_si512(src + c) : _mm512_maskz_loadu_epi16(
-        __mmask32(first_lanes(n - c)) | __mmask32(first_lanes(n - c - VW)) << 16, src + c);
+        __mmask32(lane_range(0, n - c)) | __mmask32(lane_range(0, n - c - VW)) << 16, src + c);
     _mm512_storeu_si512(dst + c / 2, x);
   }
 }
 template <int64_t D>
 inline void load_pairs(const float* src, uint32_t* dst, int64_t n = D) {
   for (int64_t c = 0; c < D; c += 2 * VW) {
-    const __m512 lo = n >= c + VW ? _mm512_loadu_ps(src + c) : _mm512_maskz_loadu_ps(first_lanes(n - c), src + c);
+    const __m512 lo = n >= c + VW ? _mm512_loadu_ps(src + c) : _mm512_maskz_loadu_ps(lane_range(0, n - c), src + c);
     const __m512 hi = n >= c + 2 * VW ? _mm512_loadu_ps(src + c + VW)
-                                      : _mm512_maskz_loadu_ps(first_lanes(n - c - VW), src + c + VW);
+                                      : _mm512_maskz_loadu_ps(lane_range(0, n - c - VW), src + c + VW);
     _mm512_storeu_si512(dst + c / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   }
 }
@@ -787,7 +783,7 @@ void attend_block_dp(const Problem& pb, const Packed<const scalar_t>& q, const P
     const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
     for (int64_t x = 0; x < pb.d; x += VW) {  // the head's own dimensions (a smaller head: masked stores)
       const __m512 o = _mm512_mul_ps(_mm512_load_ps(acc[r] + x), inv);
-      const __mmask16 lanes = first_lanes(pb.d - x);
+      const __mmask16 lanes = lane_range(0, pb.d - x);
       if constexpr (std::is_same_v<scalar_t, float>) _mm512_mask_storeu_ps(dst + x, lanes, o);
       else _mm256_mask_storeu_epi16(dst + x, lanes, (__m256i)_mm512_cvtneps_pbh(o));
     }
