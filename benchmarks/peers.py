@@ -17,7 +17,8 @@ and sentence-transformers; `--ort-python`, one with `sentence-transformers[onnx]
   config where the CPU has VNNI, else `avx2`).
 
 The int8 peers' models are exported once, before any timing, into `--cache` (default `~/.cache/wde-peers`, keyed
-by model folder, engine, config, `--isa` and the export script) and reused by later runs.
+by model folder, engine, config, `--isa` and the export script) and reused by later runs; so are the docstring
+paragraphs below (keyed by the Python).
 
 - offline: 1,000 short texts (~32 tokens) and 200 long ones (200-250 tokens), tokens/s of real tokens (counted once
   with the model's tokenizer), best of the rounds and each round's figure;
@@ -47,6 +48,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import hashlib
 import json
 import os
 import platform
@@ -108,31 +111,29 @@ def retrieval_texts(model: str, n_corpus: int = 2000, n_queries: int = 100) -> d
     return {"corpus": corpus, "queries": queries}
 
 
-def docstring_texts(model: str, n_corpus: int = 2000, n_queries: int = 100) -> dict[str, list[str]]:
+def docstring_texts(model: str, n_corpus: int = 2000, n_queries: int = 100, cache: Path | None = None
+                    ) -> dict[str, list[str]]:
     """Real English text for the same top-10 measure: paragraphs of 8-200 words from the docstrings of Python's
     standard library (read with `ast`, nothing imported; the files in name order, then shuffled with seed 7), cut to
-    250 tokens, and queries made from them as `retrieval_texts` makes them (seed 8)."""
-    import ast
+    250 tokens, and queries made from them as `retrieval_texts` makes them (seed 8). The paragraphs are kept in
+    `cache` (keyed by the Python and its standard library's folder): reading them takes ~10 s."""
     import random
     import sysconfig
 
     from transformers import AutoTokenizer
 
-    paragraphs: dict[str, None] = {}
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        if "test" in path.parts or "site-packages" in path.parts:
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                for part in re.split(r"\n\s*\n", ast.get_docstring(node) or ""):
-                    text = " ".join(part.split())
-                    if 8 <= len(text.split()) <= 200:
-                        paragraphs[text] = None
-    corpus = list(paragraphs)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    key = hashlib.sha256(f"{sys.version}\0{stdlib}".encode()).hexdigest()[:12]
+    kept = cache / f"docstrings-{key}.json" if cache is not None else None
+    if kept is not None and kept.exists():
+        corpus = json.loads(kept.read_text())
+    else:
+        corpus = stdlib_paragraphs(Path(stdlib))
+        if kept is not None:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            partial = kept.with_suffix(f".{os.getpid()}.partial")
+            partial.write_text(json.dumps(corpus))
+            os.replace(partial, kept)  # whole or absent: two runs at once each write their own
     random.Random(7).shuffle(corpus)
     tok = AutoTokenizer.from_pretrained(model)
     corpus = [cut(tok, text, 250) for text in corpus[:n_corpus]]
@@ -144,6 +145,34 @@ def docstring_texts(model: str, n_corpus: int = 2000, n_queries: int = 100) -> d
         at = rng.randint(0, len(words) - size)
         queries.append(" ".join(words[at:at + size]))
     return {"docs_corpus": corpus, "docs_queries": queries}
+
+
+def stdlib_paragraphs(stdlib: Path) -> list[str]:
+    """Every distinct docstring paragraph of 8-200 words in `stdlib`'s modules, classes and functions (tests and
+    site-packages left out), in file name order and, within a file, in `ast.walk`'s breadth-first order. Only
+    statements are walked: a class or function is never inside an expression, so the order is `ast.walk`'s."""
+    import ast
+
+    holders = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    paragraphs: dict[str, None] = {}
+    for path in sorted(stdlib.rglob("*.py")):
+        if "test" in path.parts or "site-packages" in path.parts:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        todo = collections.deque([tree])
+        while todo:
+            node = todo.popleft()
+            todo.extend(child for child in ast.iter_child_nodes(node)
+                        if isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)))
+            if isinstance(node, holders):
+                for part in re.split(r"\n\s*\n", ast.get_docstring(node) or ""):
+                    text = " ".join(part.split())
+                    if 8 <= len(text.split()) <= 200:
+                        paragraphs[text] = None
+    return list(paragraphs)
 
 
 def count_tokens(model: str, texts: list[str]) -> int:
@@ -182,8 +211,6 @@ def ort_config() -> str:
 def export_folder(engine: str, model: str, cache: Path) -> tuple[Path, dict]:
     """Where an int8 peer's model lives in the cache, and the export's arguments; the key covers the model folder's
     files (names, sizes, times), the engine, its config, `--isa` and the export script itself."""
-    import hashlib
-
     arguments = {"config": ort_config()} if engine == "ort-int8" else {"samples": 300}
     root = Path(model).resolve()
     files = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
@@ -565,7 +592,7 @@ def main() -> None:
     texts = workloads(model, args.short, args.long)
     tokens = {name: count_tokens(model, xs) for name, xs in texts.items()}
     texts.update(retrieval_texts(model, args.corpus))
-    texts.update(docstring_texts(model, args.corpus))
+    texts.update(docstring_texts(model, args.corpus, cache=Path(args.cache).expanduser()))
     tmp = Path(tempfile.mkdtemp(prefix="peers-"))
     texts_file = str(tmp / "texts.json")
     Path(texts_file).write_text(json.dumps(texts))

