@@ -52,7 +52,6 @@ import collections
 import hashlib
 import json
 import os
-import platform
 import re
 import socket
 import subprocess
@@ -205,6 +204,8 @@ def precision(engine: str, dtype: str) -> str:
 def ort_config() -> str:
     """ONNX Runtime's quantization config for this host: `avx512_vnni` where /proc/cpuinfo lists it (and `--isa` does
     not cap the engines to AVX2), else `avx2`."""
+    from wde.device import cpu_flags
+
     return "avx512_vnni" if "avx512_vnni" in cpu_flags() and not ISA_CAP else "avx2"
 
 
@@ -523,24 +524,13 @@ def ratio_line(results: dict[str, dict], ours: list[str], theirs: list[str], lab
 # ---- main ----
 
 
-def cpuinfo(field: str) -> str:
-    """The first `field` line's value in /proc/cpuinfo ("" where there is none)."""
-    try:
-        found = re.search(rf"{field}\s*:\s*(.*)", Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return ""
-    return found.group(1) if found else ""
-
-
-def cpu_flags() -> set[str]:
-    return set(cpuinfo("flags").split())
-
-
 def cpu_summary() -> str:
+    from wde.device import cpu_flags, cpu_model_name  # here, in the driver: the peers' venvs have no wde
+
     flags = cpu_flags()
     shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8",
                          "amx_tile") if f in flags]
-    return (f"{cpuinfo('model name') or platform.processor()}, {os.cpu_count()} CPUs,"
+    return (f"{cpu_model_name()}, {os.cpu_count()} CPUs,"
             f" flags: {' '.join(shown) or 'none of avx2/avx512/amx'}")
 
 

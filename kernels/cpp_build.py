@@ -48,6 +48,8 @@ from types import ModuleType
 
 import torch
 
+from wde.device import HOST_CPUINFO, cpu_flags
+
 log = logging.getLogger(__name__)
 
 _ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"], "default": []}
@@ -65,16 +67,9 @@ def isa_flags() -> list[str]:
     return _ISA_FLAGS.get(cap, ["-march=native"])
 
 
-@functools.cache
-def cpu_flags() -> str:
-    """/proc/cpuinfo's first `flags` line (read once: `auto` attention asks it for every batch)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def host_cpu() -> str:
+    """The CPU `-march=native` compiles for, as the build key sees it: its flags, else what `platform` says."""
+    return " ".join(sorted(cpu_flags(HOST_CPUINFO))) or platform.processor()
 
 
 def cache_dir() -> Path:
@@ -105,7 +100,7 @@ class _Plan:
                     sysconfig.get_paths()["include"]]
         self.environment = str(here)
         key = hashlib.sha256(b"\0".join(s.encode() if isinstance(s, str) else s for s in [
-            text, torch.__version__, " ".join(flags), cpu_flags(), compiler(), self.environment, *includes,
+            text, torch.__version__, " ".join(flags), host_cpu(), compiler(), self.environment, *includes,
         ])).hexdigest()[:16]
         self.name = f"{prefix}_{key}"
         self.folder = cache_dir() / self.name

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from wde import device
 from wde.engine import cpu_kernels
 from wde.kernels import cpp_build
 from wde.workflow import load_workflow
@@ -234,3 +235,18 @@ def test_wde_kernels_status_names_the_folder_the_engine_loads() -> None:
     assert code == 0 and set(states) == set(cpp_build.KERNELS)
     assert states["cpu_ops"]["built"] and states["cpu_ops"]["folder"] == str(Path(module.__file__).parent)
     assert states["cpu_ops"]["isa"] == " ".join(cpp_build.isa_flags())
+
+
+def test_the_build_key_reads_the_real_cpu_whatever_a_test_pretends(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-march=native` compiles for the real CPU, so the build key reads `HOST_CPUINFO`, not the `CPUINFO_PATH` a
+    test points at a fake file; each file's flags are read once (a rewritten file keeps its first flags)."""
+    real = cpp_build.host_cpu()
+    assert real == " ".join(sorted(device.cpu_flags(device.HOST_CPUINFO))) and "fpu" in real.split()
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("processor\t: 0\nflags\t\t: fpu sse2 made_up_flag\n\n")
+    monkeypatch.setattr(device, "CPUINFO_PATH", str(fake))
+    assert device.cpu_flags() == {"fpu", "sse2", "made_up_flag"}
+    assert cpp_build.host_cpu() == real
+    fake.write_text("processor\t: 0\nflags\t\t: fpu\n\n")
+    assert device.cpu_flags() == {"fpu", "sse2", "made_up_flag"}  # read once

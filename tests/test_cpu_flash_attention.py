@@ -235,7 +235,7 @@ def test_bf16_takes_the_dot_product_path_where_the_cpu_has_avx512_bf16(head_dim:
     """Under -march=native on a CPU with avx512_bf16, bf16 Q.K^T and P.V run as vdpbf16ps (P rounded to bf16); the
     result stays within two bf16 units of the float64 reference and close to the float32 path on the same inputs."""
     kernel = load_kernel()
-    flags = cpu_flash.cpu_flags().split()
+    flags = cpu_flash.cpu_flags(cpu_flash.HOST_CPUINFO)
     assert kernel.bf16_dot_products() == ("avx512_bf16" in flags and cpu_flash.isa_flags() == ["-march=native"])
     lens, q, k, v, mask = case(head_dim, torch.bfloat16, head_dim, 2, True)
     cu = torch.tensor([0] + lens).cumsum(0)
@@ -254,8 +254,8 @@ def test_amx_tiles_where_the_cpu_has_amx_and_the_same_attention_as_vdpbf16ps(hea
     """On a CPU with AMX (Sapphire Rapids and later) the bf16 path's Q.K^T and P.V run as tile products; they give
     the vdpbf16ps path's result within bf16 rounding (the same bf16 inputs and weights, another summation order)."""
     kernel = load_kernel()
-    flags = cpu_flash.cpu_flags().split()
-    native_amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags) and cpu_flash.isa_flags() == ["-march=native"]
+    flags = cpu_flash.cpu_flags(cpu_flash.HOST_CPUINFO)
+    native_amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags and cpu_flash.isa_flags() == ["-march=native"]
     if not native_amx:
         assert not kernel.amx_tiles()
     if not kernel.amx_tiles():

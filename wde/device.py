@@ -18,18 +18,20 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-CPUINFO_PATH = "/proc/cpuinfo"
-"""Where the CPU's feature flags are read from (Linux); tests point it at a fake file."""
+HOST_CPUINFO = "/proc/cpuinfo"
+"""The host's own CPU description (Linux)."""
+CPUINFO_PATH = HOST_CPUINFO
+"""Where the CPU's feature flags are read from by default; tests point it at a fake file."""
 
 FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """x86 flags that give native bfloat16 dot products (AVX512-BF16 on Zen 4+ / Cooper Lake+, AMX on Sapphire Rapids+)."""
 
 
-def _cpuinfo(*keys: str) -> str | None:
-    """The value of the first line of /proc/cpuinfo whose key is one of `keys` (the first CPU's); None when absent
-    or unreadable."""
+def _cpuinfo(*keys: str, path: str | None = None) -> str | None:
+    """The value of the first line of /proc/cpuinfo (or `path`) whose key is one of `keys` (the first CPU's); None
+    when absent or unreadable."""
     try:
-        with open(CPUINFO_PATH, encoding="utf-8", errors="replace") as f:
+        with open(path or CPUINFO_PATH, encoding="utf-8", errors="replace") as f:
             for line in f:
                 key, sep, value = line.partition(":")
                 if sep and key.strip() in keys:
@@ -39,9 +41,17 @@ def _cpuinfo(*keys: str) -> str | None:
     return None
 
 
-def cpu_flags() -> frozenset[str]:
-    """The feature flags of the first CPU in /proc/cpuinfo (`flags`, or `Features` on ARM); empty when unreadable."""
-    return frozenset((_cpuinfo("flags", "Features") or "").split())
+def cpu_flags(path: str | None = None) -> frozenset[str]:
+    """The feature flags of the first CPU in `path` (default `CPUINFO_PATH`): its `flags` line, or `Features` on
+    ARM; empty when unreadable. The one reader of them, read once per path (a test's fake file is another path). What
+    the compiler's `-march=native` targets (the kernels' build key, `auto` attention) asks for `HOST_CPUINFO`, the
+    real CPU whatever a test pretends; the bf16 advice reads `CPUINFO_PATH`."""
+    return _flags_in(path or CPUINFO_PATH)
+
+
+@functools.cache
+def _flags_in(path: str) -> frozenset[str]:
+    return frozenset((_cpuinfo("flags", "Features", path=path) or "").split())
 
 
 def cpu_model_name() -> str:

@@ -32,8 +32,8 @@ from wde.components.attention.torch_sdpa import covering
 from wde.components.base import BuildContext, Params
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.cpu_linear import padded_rows
-from wde.device import default_device
-from wde.kernels.cpp_build import KERNELS, cpu_flags, isa_flags, load
+from wde.device import HOST_CPUINFO, cpu_flags, default_device
+from wde.kernels.cpp_build import KERNELS, isa_flags, load
 
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -49,7 +49,7 @@ def load_kernel() -> ModuleType | None:
 
 def avx512_build() -> bool:
     """Whether the kernel is built for AVX-512: `-march=native` on a CPU with avx512f."""
-    return isa_flags() == ["-march=native"] and "avx512f" in cpu_flags().split()
+    return isa_flags() == ["-march=native"] and "avx512f" in cpu_flags(HOST_CPUINFO)
 
 
 def prefer_cpu_flash(seq_lens: list[int]) -> bool:
