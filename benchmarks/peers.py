@@ -91,8 +91,6 @@ def workloads(model: str, n_short: int = 1000, n_long: int = 200) -> dict[str, l
 def retrieval_texts(model: str, n_corpus: int = 2000, n_queries: int = 100) -> dict[str, list[str]]:
     """A corpus of mixed lengths (half ~12 words, a quarter ~40, a quarter ~120, cut to 250 tokens) and queries, each
     a 6-12 word window of a corpus text spread evenly over the corpus (seeds 3-6: none of the timed ones)."""
-    import random
-
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -100,14 +98,22 @@ def retrieval_texts(model: str, n_corpus: int = 2000, n_queries: int = 100) -> d
     corpus = (sentences(n_corpus - 2 * quarter, mean_words=12, seed=3) + sentences(quarter, mean_words=40, seed=4)
               + sentences(quarter, mean_words=120, seed=5))
     corpus = [cut(tok, text, 250) for text in corpus]
-    rng = random.Random(6)
+    return {"corpus": corpus, "queries": window_queries(corpus, n_queries, seed=6)}
+
+
+def window_queries(corpus: list[str], n_queries: int, seed: int) -> list[str]:
+    """A 6-12 word window of every `len(corpus) // n_queries`-th text of `corpus` (spread evenly over it), the sizes
+    and places drawn with `random.Random(seed)`."""
+    import random
+
+    rng = random.Random(seed)
     queries = []
     for i in range(n_queries):
-        words = corpus[(i * n_corpus) // n_queries].split()
+        words = corpus[(i * len(corpus)) // n_queries].split()
         size = min(len(words), rng.randint(6, 12))
         at = rng.randint(0, len(words) - size)
         queries.append(" ".join(words[at:at + size]))
-    return {"corpus": corpus, "queries": queries}
+    return queries
 
 
 def docstring_texts(model: str, n_corpus: int = 2000, n_queries: int = 100, cache: Path | None = None
@@ -136,14 +142,7 @@ def docstring_texts(model: str, n_corpus: int = 2000, n_queries: int = 100, cach
     random.Random(7).shuffle(corpus)
     tok = AutoTokenizer.from_pretrained(model)
     corpus = [cut(tok, text, 250) for text in corpus[:n_corpus]]
-    rng = random.Random(8)
-    queries = []
-    for i in range(n_queries):
-        words = corpus[(i * len(corpus)) // n_queries].split()
-        size = min(len(words), rng.randint(6, 12))
-        at = rng.randint(0, len(words) - size)
-        queries.append(" ".join(words[at:at + size]))
-    return {"docs_corpus": corpus, "docs_queries": queries}
+    return {"docs_corpus": corpus, "docs_queries": window_queries(corpus, n_queries, seed=8)}
 
 
 def stdlib_paragraphs(stdlib: Path) -> list[str]:
