@@ -71,13 +71,40 @@ def test_minilm_alone_equals_batched_under_a_tiny_budget(minilm_path: Path) -> N
 
 
 def test_auto_token_budget_admits_the_longest_input(minilm_engine) -> None:
-    from wde.components.scheduler import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET
+    from wde.components.scheduler import CPU_TOKEN_BUDGET_MAX, GPU_TOKEN_BUDGET
     from wde.device import default_device
 
-    default = GPU_TOKEN_BUDGET if default_device().type == "cuda" else CPU_TOKEN_BUDGET
+    # MiniLM is 384 wide: on CPU its batches hold the most tokens `auto` gives
+    default = GPU_TOKEN_BUDGET if default_device().type == "cuda" else CPU_TOKEN_BUDGET_MAX
     assert minilm_engine.scheduler.params.max_num_batched_tokens == "auto"
     assert minilm_engine.scheduler.token_budget == default
     assert minilm_engine.longest_input == max(default, minilm_engine.max_length)
+
+
+@pytest.mark.parametrize(("hidden", "budget"), [(32, 8192), (384, 8192), (385, 4096), (512, 4096), (543, 4096),
+                                               (544, 2048), (768, 2048), (1024, 2048), (4096, 2048), (None, 2048),
+                                               ("384", 2048), (True, 2048), (0, 2048), (-384, 2048)])
+def test_cpu_token_budget_grows_as_the_width_shrinks(hidden: object, budget: int) -> None:
+    """2,048 at BERT-base's width and wider (or where config.json says nothing usable); (768 / width)^2 times that,
+    rounded down to a power of two, up to 8,192."""
+    from wde.components.scheduler import cpu_token_budget
+
+    assert cpu_token_budget(hidden) == budget
+
+
+def test_auto_cpu_token_budget_reads_the_configs_hidden_size(tmp_path: Path) -> None:
+    """A 512-wide model gets 4,096 tokens a batch on CPU, and a set number is kept whatever the width."""
+    from tests.tiny_models import build_bert
+    from wde.device import default_device
+
+    if default_device().type == "cuda":
+        pytest.skip("the CPU budget")
+    folder = build_bert(tmp_path / "w512", hidden_size=512, intermediate_size=64, num_hidden_layers=1)
+    with Engine.from_workflow("bert", folder, pooler=POOLING) as engine:
+        assert engine.scheduler.token_budget == 4096
+    with Engine.from_workflow("bert", folder, pooler=POOLING,
+                              overrides=["scheduler.params.max_num_batched_tokens=1024"]) as engine:
+        assert engine.scheduler.token_budget == 1024
 
 
 def test_a_long_context_model_keeps_the_batch_budget_and_runs_a_longer_input_alone(tmp_path: Path) -> None:
@@ -88,7 +115,8 @@ def test_a_long_context_model_keeps_the_batch_budget_and_runs_a_longer_input_alo
 
     from tests.tiny_models import build_bert
 
-    folder = build_bert(tmp_path / "long", max_position_embeddings=4096)
+    # BERT-base's width, where the CPU budget (2,048) is below the model's max length (`cpu_token_budget`)
+    folder = build_bert(tmp_path / "long", max_position_embeddings=4096, hidden_size=768)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 4096}))
     with Engine.from_workflow("bert", folder, pooler=POOLING) as engine:
