@@ -21,6 +21,7 @@ from PIL import Image
 
 from tests.tiny_clip import (CAPTIONS, build_siglip, build_siglip2, encoded, exif_rotated_jpeg, image_of_mode,
                              saved_as_processor, scene)
+from tests.ranking import BATCH_TOLERANCE
 from tests.tiny_models import varied_texts
 from wde import Engine, PoolingParams, RequestError
 from wde.errors import ModelLoadError
@@ -324,8 +325,13 @@ def test_every_accepted_image_shape_gives_the_same_embedding(clip_path: Path, tm
     shapes = [data, bytearray(data), memoryview(data), Image.open(io.BytesIO(data)), path, uri, {"image": data},
               {"image": uri}, {"image": b64}, {"image": str(path)}, {"image": Image.open(path)}]
     with Engine.from_workflow("clip", clip_path, input_processor={"params": {"allow_local_paths": True}}) as engine:
+        # alone, each shape's batch is the same tensor shape: bit for bit the same pixels give the same vector
+        alone = np.stack([dense(engine, [shape])[0] for shape in shapes])
+        assert np.abs(alone - alone[0]).max() == 0.0
+        # in one batch, rows of one GEMM agree within the batch tolerance, not bit for bit (a GEMM's last bits
+        # follow a row's place in its blocking: 2.7e-7 under the AVX2 cap)
         vectors = dense(engine, shapes)
-        assert np.abs(vectors - vectors[0]).max() == 0.0
+        assert np.abs(vectors - alone[0]).max() <= BATCH_TOLERANCE
         single = engine.embed(data)
         assert single.shape == (24,) and np.isclose(np.linalg.norm(single), 1.0)
         assert engine.embed({"image": uri}).shape == (24,) and engine.embed(["a", path]).shape == (2, 24)
