@@ -13,6 +13,7 @@ import pytest
 from tests.ranking import BATCH_TOLERANCE
 from tests.tiny_models import varied_texts
 from wde import Engine, PoolingParams
+from wde.components.models.int8_linear import int8_unsupported
 
 TOLERANCE = BATCH_TOLERANCE
 TEXTS = varied_texts(1000, seed=9)
@@ -90,6 +91,47 @@ def test_cpu_token_budget_grows_as_the_width_shrinks(hidden: object, budget: int
     from wde.components.scheduler import cpu_token_budget
 
     assert cpu_token_budget(hidden) == budget
+
+
+@pytest.mark.parametrize(("hidden", "budget"), [(384, 8192), (543, 8192), (544, 4096), (768, 4096), (769, 2048),
+                                               (1024, 2048), (None, 2048)])
+def test_an_int8_token_counts_half(hidden: object, budget: int) -> None:
+    """With `quantization: int8` a token's GEMMs cost half: BERT-base's width gets 4,096, still at most 8,192."""
+    from wde.components.scheduler import cpu_token_budget
+
+    assert cpu_token_budget(hidden, int8=True) == budget
+
+
+def test_auto_token_budget_reads_the_models_quantization(tmp_path: Path) -> None:
+    """The scheduler is built before the model: it reads the model's resolved params from the build context, and a
+    BERT-base-wide model asked for int8 gets 4,096 tokens a batch on CPU, in float 2,048."""
+    from tests.tiny_models import build_bert
+    from wde.components.base import BuildContext
+    from wde.components.params import ModelParams
+    from wde.components.scheduler import auto_token_budget
+    from wde.device import default_device
+    from wde.model_source import ModelSource
+
+    if default_device().type == "cuda":
+        pytest.skip("the CPU budget")
+    source = ModelSource.from_model(build_bert(tmp_path / "w768", hidden_size=768, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=12))
+    budgets = {q: auto_token_budget(BuildContext(source, "bert", params={"model": ModelParams(quantization=q)}))
+               for q in ("none", "int8")}
+    assert budgets == {"none": 2048, "int8": 4096}
+    assert auto_token_budget(BuildContext(source, "bert")) == 2048  # no model params: float
+
+
+@pytest.mark.skipif(int8_unsupported() is not None, reason="no int8 kernels here")
+def test_an_int8_engine_batches_twice_the_tokens(tmp_path: Path) -> None:
+    """Through `Engine.from_workflow(quantization="int8")`: the engine's scheduler holds the int8 budget."""
+    from tests.tiny_models import build_bert
+
+    folder = build_bert(tmp_path / "w768", hidden_size=768, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=12)
+    gate = ["model.params.min_cosine=0.5", "model.params.min_mean_cosine=0.5"]  # random weights: not the gate's test
+    with Engine.from_workflow("bert", folder, pooler=POOLING, quantization="int8", overrides=gate) as engine:
+        assert engine.scheduler.token_budget == 4096
 
 
 def test_auto_cpu_token_budget_reads_the_configs_hidden_size(tmp_path: Path) -> None:

@@ -77,6 +77,9 @@ class BuildContext:
     source: "ModelSource"
     workflow_name: str
     components: dict[str, Component] = field(default_factory=dict)
+    params: dict[str, Params] = field(default_factory=dict)
+    """Every kind's params as the workflow resolved them, its component built yet or not: what a component may read
+    of one built after it (the scheduler's `auto` token budget reads the model's `quantization`)."""
 
     def __getattr__(self, kind: str) -> Any:
         components = self.__dict__.get("components", {})

@@ -33,25 +33,29 @@ BACKGROUND_POLL_S = 0.005
 """How long an otherwise idle `schedule()` waits for a background tokenization before returning empty."""
 
 
-def cpu_token_budget(hidden_size: object) -> int:
+def cpu_token_budget(hidden_size: object, int8: bool = False) -> int:
     """The `auto` token budget on CPU for a model whose hidden size (config.json's `hidden_size`) is `hidden_size`:
     `CPU_TOKEN_BUDGET` at BERT-base's width (768) and wider, or where the config has no such number; a narrower
     model's token costs less (its layers' GEMMs scale with the width squared) and its batches hold (768 / width)^2
     times as many tokens, rounded down to a power of two, at most `CPU_TOKEN_BUDGET_MAX` (all-MiniLM-L6-v2, width
-    384: 8,192). A batch's forward then takes about as long as a 2,048-token BERT-base batch or less, while the
-    per-batch costs (a layer's op calls, its threads' fork and join) are spread over more tokens: on the Zen 4 of
-    docs/benchmarks.md MiniLM's long texts ran 3.6% (bf16) and 6.3% (int8) faster at 8,192 than at 2,048."""
+    384: 8,192). `int8` (`quantization: int8`): a token costs half, its GEMMs running at twice the float rate, and
+    batches hold twice as many (BERT-base: 4,096). A batch's forward then takes about as long as a 2,048-token
+    BERT-base batch in float or less, while the per-batch costs (a layer's op calls, its threads' fork and join) are
+    spread over more tokens: on the Zen 4 of docs/benchmarks.md MiniLM's long texts ran 3.6% (bf16) and 6.3% (int8)
+    faster at 8,192 than at 2,048, and a BERT-base-sized model's in int8 4.5% faster at 4,096."""
     if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0:
         return CPU_TOKEN_BUDGET
+    cost = (hidden_size / 768) ** 2 / (2 if int8 else 1)  # a token's, against a BERT-base token's in float
     budget = CPU_TOKEN_BUDGET
-    while budget < CPU_TOKEN_BUDGET_MAX and (768 / hidden_size) ** 2 >= 2 * budget / CPU_TOKEN_BUDGET:
+    while budget < CPU_TOKEN_BUDGET_MAX and 1 / cost >= 2 * budget / CPU_TOKEN_BUDGET:
         budget *= 2
     return budget
 
 
 def auto_token_budget(ctx: BuildContext) -> int:
     """`max_num_batched_tokens: auto`: `GPU_TOKEN_BUDGET` with a CUDA device, else `cpu_token_budget` of the model's
-    hidden size."""
+    hidden size and its `quantization`."""
+    from wde.components.params import ModelParams
     from wde.device import default_device  # imports torch: only when an engine is built
     from wde.errors import ModelLoadError
 
@@ -61,13 +65,15 @@ def auto_token_budget(ctx: BuildContext) -> int:
         hidden_size = getattr(ctx.source.hf_config, "hidden_size", None)
     except ModelLoadError:  # no readable config.json (a plugin's model): its loader says so where it matters
         hidden_size = None
-    return cpu_token_budget(hidden_size)
+    model = ctx.params.get("model")
+    return cpu_token_budget(hidden_size, int8=isinstance(model, ModelParams) and model.quantization == "int8")
 
 
 class FCFSParams(Params):
     max_num_batched_tokens: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
     """Token budget of one batch. auto: 16384 with a CUDA device; on CPU 2048 for a model of BERT-base's width or
-    wider, up to 8192 for narrower ones (`cpu_token_budget`: 8192 for all-MiniLM-L6-v2); an input longer than that
+    wider, up to 8192 for narrower ones, twice as many with `quantization: int8` (`cpu_token_budget`: 8192 for
+    all-MiniLM-L6-v2, 4096 for BERT-base in int8); an input longer than that
     (up to the model's max length) runs in a batch of its own. A number: also the longest input admitted (at most
     the model's max length)."""
     max_num_requests: int = Field(256, gt=0, description="requests in one batch at most")
