@@ -214,8 +214,7 @@ class Engine:
         self.source = source
         if default_device().type == "cpu":  # a first start's kernel compiles, beside each other and the model's load
             start_builds(cpu_kernels(workflow))
-        ctx = BuildContext(source, workflow.name,
-                           params={kind: rc.params for kind, rc in workflow.components.items()})
+        ctx = BuildContext.of(source, workflow)
         # built where the executor runs its batches (`Executor.place`): a `thread` executor's device thread, so that
         # the model loads and first runs on the thread that computes with it (on CPU, one OpenMP pool)
         place = workflow.components["executor"].cls.place

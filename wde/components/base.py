@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from wde.model_source import ModelSource
+    from wde.workflow import ResolvedWorkflow
 
 COMPONENT_KINDS: tuple[str, ...] = (
     "tokenizer",
@@ -80,6 +81,11 @@ class BuildContext:
     params: dict[str, Params] = field(default_factory=dict)
     """Every kind's params as the workflow resolved them, its component built yet or not: what a component may read
     of one built after it (the scheduler's `auto` token budget reads the model's `quantization`)."""
+
+    @classmethod
+    def of(cls, source: "ModelSource", workflow: "ResolvedWorkflow") -> "BuildContext":
+        """The context a workflow's components are built in: no component yet, every kind's params."""
+        return cls(source, workflow.name, params={kind: rc.params for kind, rc in workflow.components.items()})
 
     def __getattr__(self, kind: str) -> Any:
         components = self.__dict__.get("components", {})

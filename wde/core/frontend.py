@@ -25,7 +25,7 @@ class Frontend:
         self.workflow = workflow
         self.source = source
         self.info = info
-        ctx = BuildContext(source, workflow.name, params={kind: rc.params for kind, rc in workflow.components.items()})
+        ctx = BuildContext.of(source, workflow)
         for kind in KINDS:
             rc = workflow.components[kind]
             ctx.components[kind] = rc.cls(rc.params, ctx)
