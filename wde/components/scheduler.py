@@ -45,9 +45,9 @@ def cpu_token_budget(hidden_size: object, int8: bool = False) -> int:
     faster at 8,192 than at 2,048, and a BERT-base-sized model's in int8 4.5% faster at 4,096."""
     if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0:
         return CPU_TOKEN_BUDGET
-    cost = (hidden_size / 768) ** 2 / (2 if int8 else 1)  # a token's, against a BERT-base token's in float
+    per_bert_token = (768 / hidden_size) ** 2 * (2 if int8 else 1)  # tokens costing one BERT-base token in float
     budget = CPU_TOKEN_BUDGET
-    while budget < CPU_TOKEN_BUDGET_MAX and 1 / cost >= 2 * budget / CPU_TOKEN_BUDGET:
+    while budget < CPU_TOKEN_BUDGET_MAX and per_bert_token >= 2 * budget / CPU_TOKEN_BUDGET:
         budget *= 2
     return budget
 
