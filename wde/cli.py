@@ -53,8 +53,8 @@ def int8_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                       help="with --quantization int8: refuse to start when the int8 model's min cosine to float32"
                            " on the probe texts is below this (default 0.99; model.params.min_cosine)")(fn)
     return click.option("--quantization", default=None, type=click.Choice(["none", "int8"]),
-                        help="int8: the model's block linear layers as int8 GEMMs on CPUs with VNNI, behind a"
-                             " fidelity gate at load (model.params.quantization; docs/int8.md)")(fn)
+                        help="int8: the model's block linear layers as int8 GEMMs on CPUs with VNNI or AVX2, behind"
+                             " a fidelity gate at load (model.params.quantization; docs/int8.md)")(fn)
 
 
 def int8_overrides(quantization: str | None, min_cosine: float | None, calibration: str | None) -> list[str]:

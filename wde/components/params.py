@@ -59,9 +59,9 @@ class ModelParams(Params):
     """Per-request LoRA adapters (docs/adapters.md); none by default."""
     quantization: Literal["none", "int8"] = "none"
     """int8: on CPU, float32 models only, the linear layers of the model's blocks run as int8 GEMMs (weights per
-    output channel, activations per token) on CPUs with VNNI; embeddings, norms, attention, pooler and heads stay
-    float32. Behind a fidelity gate at load (`min_cosine`); refused with LoRA and on CPUs without int8 dot products
-    (docs/int8.md)."""
+    output channel, activations per token) on CPUs with VNNI, or with AVX2 (weights bounded per adjacent pair);
+    embeddings, norms, attention, pooler and heads stay float32. Behind a fidelity gate at load (`min_cosine`);
+    refused with LoRA and on CPUs with neither (docs/int8.md)."""
     min_cosine: float = Field(0.99, gt=0, le=1)
     """With int8: the engine refuses to start when the int8 model's min cosine to float32 on the probe texts is
     below this."""

@@ -188,6 +188,8 @@ class PrefillModel(nn.Module, Model):
         unsupported = int8_unsupported()
         if unsupported is not None:
             raise ModelLoadError(f"quantization=int8: {unsupported}; use quantization: none")
+        if (note := int8_linear.fallback_note()) is not None:
+            int8_linear.log.warning(note)
         if not block_linears(self):
             raise ModelLoadError(f"quantization=int8: model {self.name!r} has no linear layers in repeated blocks")
         # attention's products in bf16 where bf16 is native; the gate measures them (and keys its verdict on them)

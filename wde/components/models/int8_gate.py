@@ -181,7 +181,7 @@ def gate_key(model_path: Path, texts: list[str], thresholds: tuple[float, float]
     h.update("\n".join(texts).encode())
     h.update(repr(int8_linear.SCALE_CORRUPTION).encode())  # the test hook's corrupted scales are another model
     # the thresholds decide which layers stay float, and bf16_pays in which dtype they do
-    h.update(f"{thresholds}|{int8_linear.SMOOTHING_ALPHA}|{int8_linear.bf16_pays()}|{int8_linear.SCHEME}|{variant}"
+    h.update(f"{thresholds}|{int8_linear.SMOOTHING_ALPHA}|{int8_linear.bf16_pays()}|{int8_linear.scheme()}|{variant}"
              .encode())
     return f"{host_key()}|int8-gate|{Path(model_path).resolve()}|{h.hexdigest()[:16]}"
 

@@ -12,10 +12,13 @@ Only the linear layers inside a model's repeated blocks (its `nn.ModuleList`s: a
 quantized; embeddings, norms, attention itself, the pooler and any head stay float32 (`quantize_linears`). Layer
 kinds the fidelity gate keeps out of int8 run in bfloat16 where the CPU has it natively (`Bf16Linear`), else float32.
 
-Which CPUs: those whose int8 dot products oneDNN can use, AVX-512 VNNI or AVX-VNNI, as PyTorch detected them
-(`cpu_capabilities`, which honours `ATEN_CPU_CAPABILITY`) and under oneDNN's own cap (`ONEDNN_MAX_CPU_ISA`), never
-/proc/cpuinfo; elsewhere int8 is refused in one line (`int8_unsupported`), and a probe GEMM must match its float
-result before a model is quantized.
+Which CPUs: those whose int8 dot products oneDNN can use, AVX-512 VNNI or AVX-VNNI (and AMX), as PyTorch detected
+them (`cpu_capabilities`, which honours `ATEN_CPU_CAPABILITY`) and under oneDNN's own cap (`ONEDNN_MAX_CPU_ISA`),
+never /proc/cpuinfo; and, as a measured fallback, CPUs with AVX2 but no VNNI, where oneDNN's u8 x s8 GEMM sums each
+adjacent pair of products in 16 bits with saturation (`vpmaddubsw`): there the weights are quantized with each
+adjacent pair of input channels bounded to 128 levels together (`int8_dot_products` "pairs", `quantize_weight`), so
+no pair can saturate, and the fidelity gate measures what that costs. Elsewhere int8 is refused in one line
+(`int8_unsupported`), and probe GEMMs must match before a model is quantized.
 """
 
 from __future__ import annotations
@@ -42,44 +45,106 @@ SCALE_CORRUPTION = 1.0
 """Test hook: every weight scale is multiplied by this (1.0: none); a test sets it to prove the fidelity gate
 refuses a model whose int8 vectors are wrong (tests/test_int8.py)."""
 
-_CAPPED_BELOW_VNNI = {"SSE41", "AVX", "AVX2", "DEFAULT_NO_VNNI"}
-"""`ONEDNN_MAX_CPU_ISA` values under which oneDNN has no int8 dot-product instructions."""
+_ONEDNN_BELOW_VNNI = {"SSE41", "AVX", "AVX2", "AVX512_CORE", "DEFAULT_NO_VNNI"}
+"""`ONEDNN_MAX_CPU_ISA` values under which oneDNN takes no int8 dot-product instructions."""
+_ONEDNN_BELOW_AVX2 = {"SSE41", "AVX"}
+
+PAIR_LEVELS = 128
+"""Without VNNI: the most levels two adjacent weights of an output channel take together, |q[2j]| + |q[2j+1]| (255 x
+128 = 32,640 fits the 16-bit pair sums of `vpmaddubsw`; 255 x 129 would not)."""
 
 
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output channel: (int8 weight, float32 scale per row)."""
+def quantize_weight(w: torch.Tensor, pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: (int8 weight, float32 scale per row). With `pairs` (CPUs without VNNI:
+    `int8_dot_products`), each row's scale is set by its largest adjacent pair, |w[2j]| + |w[2j+1]|, at 127 levels,
+    so every rounded pair holds at most `PAIR_LEVELS` (each rounding adds at most half a level) and a u8 activation
+    row times it cannot saturate oneDNN's 16-bit pair sums."""
     w = w.detach().float()
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    if pairs:
+        a = torch.nn.functional.pad(w.abs(), (0, w.shape[1] % 2))
+        scale = (a[:, 0::2] + a[:, 1::2]).amax(dim=1).clamp_min(1e-12) / (PAIR_LEVELS - 1)
+    else:
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
     return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
 @functools.cache
-def int8_unsupported() -> str | None:
-    """None when this CPU runs oneDNN's int8 GEMM with VNNI, else why not (one clause, for a one-line error)."""
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.onednn, "qlinear_pointwise"):
-        return "this PyTorch build has no oneDNN int8 kernels"
+def int8_dot_products() -> str | None:
+    """How oneDNN's u8 x s8 GEMM takes its dot products here: "vnni" (AVX-512 VNNI, AVX-VNNI or AMX: 32-bit sums),
+    "pairs" (AVX2, or AVX-512 without VNNI: adjacent pairs of products summed in 16 bits with saturation), or None
+    (neither: oneDNN capped below AVX2, or an older CPU)."""
     caps = cpu_capabilities()
     isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    if not (caps.get("avx512_vnni") or caps.get("avx_vnni") or caps.get("amx_int8")) or isa_cap in _CAPPED_BELOW_VNNI:
+    if (caps.get("avx512_vnni") or caps.get("avx_vnni") or caps.get("amx_int8")) and isa_cap not in _ONEDNN_BELOW_VNNI:
+        return "vnni"
+    if caps.get("avx2") and isa_cap not in _ONEDNN_BELOW_AVX2:
+        return "pairs"
+    return None
+
+
+@functools.cache
+def int8_unsupported() -> str | None:
+    """None when this CPU runs oneDNN's int8 GEMM (`int8_dot_products`) and its probes match, else why not (one
+    clause, for a one-line error)."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        return "this PyTorch build has no oneDNN int8 kernels"
+    dots = int8_dot_products()
+    if dots is None:
         capability = torch.backends.cpu.get_cpu_capability()
-        return (f"PyTorch/oneDNN report no int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX) on this"
-                f" CPU (PyTorch kernels: {capability}{f', ONEDNN_MAX_CPU_ISA={isa_cap}' if isa_cap else ''})")
+        isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+        return (f"PyTorch/oneDNN report neither int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX) nor"
+                f" AVX2 on this CPU (PyTorch kernels: {capability}{f', ONEDNN_MAX_CPU_ISA={isa_cap}' if isa_cap else ''})")
     g = torch.Generator().manual_seed(0)
     linear = nn.Linear(64, 32)
     x = torch.randn(8, 64, generator=g)
     try:
         got = Int8Linear(linear, rows=8)(x)
+        saturated = pair_saturation() if dots == "pairs" else 0.0
     except RuntimeError as e:
         return f"oneDNN's int8 linear failed on this CPU ({str(e).strip().splitlines()[0] if str(e).strip() else e})"
     want = linear(x).detach()
     if not torch.allclose(got, want, atol=0.05 * float(want.abs().max()), rtol=0):
         return f"oneDNN's int8 linear gave wrong results on this CPU (max abs diff {(got - want).abs().max():.3g})"
+    if saturated:
+        return (f"oneDNN's int8 GEMM on this CPU (no VNNI) saturates sums that weights bounded per adjacent pair"
+                f" keep exact elsewhere (max abs diff {saturated:.0f})")
     return None
 
 
-SCHEME = "u8-asymmetric-per-token"
-"""What the activations are quantized as; part of the fidelity gate's cache key (a verdict on another scheme is
-not reused)."""
+def fallback_note() -> str | None:
+    """The one line start-up logs where int8 runs without VNNI (`int8_dot_products` "pairs"), else None."""
+    if int8_dot_products() != "pairs":
+        return None
+    return (f"quantization=int8 without int8 dot-product instructions (no VNNI; PyTorch kernels:"
+            f" {torch.backends.cpu.get_cpu_capability()}): oneDNN sums adjacent pairs of u8 x s8 products in 16 bits,"
+            f" so each adjacent pair of weights is bounded to {PAIR_LEVELS} levels together; the fidelity gate"
+            " measures the vectors as on any CPU")
+
+
+def pair_saturation(k: int = 64) -> float:
+    """The largest error of oneDNN's int8 GEMM against exact integer arithmetic on the worst cases `quantize_weight`
+    with `pairs` allows: u8 rows of 255 (and of random values) times weights whose adjacent pairs, same-signed, hold
+    `PAIR_LEVELS` levels together (split unevenly, and evenly at 64 + 64). 0: none saturated; a kernel that summed
+    more than one adjacent pair in 16 bits, or other pairs, would show here."""
+    n = 16
+    g = torch.Generator().manual_seed(0)
+    first = torch.randint(PAIR_LEVELS // 2, 128, (n, k // 2), generator=g)
+    first[n // 2:] = PAIR_LEVELS // 2
+    sign = torch.where(torch.rand(n, 1, generator=g) < 0.5, -1, 1)
+    w = (torch.stack([first, PAIR_LEVELS - first], dim=2).reshape(n, k) * sign).to(torch.int8)
+    x = torch.cat([torch.full((4, k), 255, dtype=torch.uint8),
+                   torch.randint(0, 256, (12, k), generator=g, dtype=torch.uint8)])
+    packed = torch.ops.onednn.qlinear_prepack(w, [len(x), k])
+    y = torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, packed, torch.ones(n), torch.zeros(n, dtype=torch.int64), None,
+                                           1.0, 0, torch.float32, "none", [], "")
+    return float((y.double() - x.double() @ w.double().T).abs().max())
+
+
+def scheme() -> str:
+    """What the activations and weights are quantized as; part of the fidelity gate's cache key (a verdict on another
+    scheme is not reused)."""
+    pairs = f", s8 weights at {PAIR_LEVELS} levels an adjacent pair" if int8_dot_products() == "pairs" else ""
+    return f"u8-asymmetric-per-token{pairs}"
 
 ACTIVATIONS = {("none", ""): 0, ("gelu", "none"): 1, ("gelu", "tanh"): 2, ("relu", ""): 3}
 """The activations an `Int8Linear` applies in its dequantizing pass (`cpu_linear.post_op_for`'s names), by the
@@ -152,7 +217,7 @@ class Int8Linear(AddNormLinear):
         self.smooth = None if smooth is None else (1 / smooth).float().contiguous()
         if smooth is not None:
             weight = weight * smooth
-        qweight, scale = quantize_weight(weight)
+        qweight, scale = quantize_weight(weight, pairs=int8_dot_products() == "pairs")
         self.w_scale = scale * SCALE_CORRUPTION
         self.colsum = (qweight.sum(1, dtype=torch.int32).float() * self.w_scale).contiguous()
         self.w_zero = torch.zeros(self.out_features, dtype=torch.int64)
