@@ -48,6 +48,7 @@ refuses a model whose int8 vectors are wrong (tests/test_int8.py)."""
 _ONEDNN_BELOW_VNNI = {"SSE41", "AVX", "AVX2", "AVX512_CORE", "DEFAULT_NO_VNNI"}
 """`ONEDNN_MAX_CPU_ISA` values under which oneDNN takes no int8 dot-product instructions."""
 _ONEDNN_BELOW_AVX2 = {"SSE41", "AVX"}
+"""`ONEDNN_MAX_CPU_ISA` values under which oneDNN's int8 GEMM has not even AVX2's pair sums: int8 is refused."""
 
 PAIR_LEVELS = 128
 """Without VNNI: the most levels two adjacent weights of an output channel take together, |q[2j]| + |q[2j+1]| (255 x
@@ -90,10 +91,10 @@ def int8_unsupported() -> str | None:
         return "this PyTorch build has no oneDNN int8 kernels"
     dots = int8_dot_products()
     if dots is None:
-        capability = torch.backends.cpu.get_cpu_capability()
         isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+        capped = f", ONEDNN_MAX_CPU_ISA={isa_cap}" if isa_cap else ""
         return (f"PyTorch/oneDNN report neither int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX) nor"
-                f" AVX2 on this CPU (PyTorch kernels: {capability}{f', ONEDNN_MAX_CPU_ISA={isa_cap}' if isa_cap else ''})")
+                f" AVX2 on this CPU (PyTorch kernels: {torch.backends.cpu.get_cpu_capability()}{capped})")
     g = torch.Generator().manual_seed(0)
     linear = nn.Linear(64, 32)
     x = torch.randn(8, 64, generator=g)
