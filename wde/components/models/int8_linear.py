@@ -135,7 +135,14 @@ def pair_saturation(k: int = 64) -> float:
     w = (torch.stack([first, PAIR_LEVELS - first], dim=2).reshape(n, k) * sign).to(torch.int8)
     x = torch.cat([torch.full((4, k), 255, dtype=torch.uint8),
                    torch.randint(0, 256, (12, k), generator=g, dtype=torch.uint8)])
-    packed = torch.ops.onednn.qlinear_prepack(w, [len(x), k])
+    return gemm_error(x, w)
+
+
+def gemm_error(x: torch.Tensor, w: torch.Tensor) -> float:
+    """The largest difference between oneDNN's int8 GEMM of u8 rows `x` [m, k] and s8 weights `w` [n, k] (unit
+    scales, zero points 0) and the exact integer product x @ w^T."""
+    n = len(w)
+    packed = torch.ops.onednn.qlinear_prepack(w, [len(x), w.shape[1]])
     y = torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, packed, torch.ones(n), torch.zeros(n, dtype=torch.int64), None,
                                            1.0, 0, torch.float32, "none", [], "")
     return float((y.double() - x.double() @ w.double().T).abs().max())
