@@ -52,7 +52,8 @@ from wde.device import HOST_CPUINFO, cpu_flags
 
 log = logging.getLogger(__name__)
 
-_ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"], "default": []}
+AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+_ISA_FLAGS = {"avx2": AVX2_FLAGS, "default": []}
 
 KERNELS = {
     "cpu_ops": ("cpu_ops.cpp", "wde_cpu_ops", "WDE_CPU_OPS"),

@@ -10,8 +10,9 @@
 // token) adds -inf to the scores of masked keys. A row left with no key to attend outputs zeros.
 //
 // Two inner paths. float32 inputs (and bf16 ones on CPUs without AVX512-BF16) are widened to float, and the dot
-// products and softmax run in float with GCC vector types (16 floats: one AVX-512 register, two AVX2 ones), scores and
-// outputs of 4 query rows held in registers, and a polynomial exp. bf16 inputs where the compiler targets AVX512-BF16
+// products and softmax run in float with GCC vector types of one register (16 floats on AVX-512, 8 on AVX2), the scores
+// of 4 query rows and the outputs of a few rows held in registers (as many as the width's registers hold without
+// spilling), and a polynomial exp. bf16 inputs where the compiler targets AVX512-BF16
 // (__AVX512BF16__) take Q.K^T and P.V with vdpbf16ps (bf16 pairs along the reduction, float accumulators): keys stay
 // bf16 as pairs of dimensions (16 keys at a time through a 16 x 16 transpose), values are interleaved as pairs of keys,
 // and the softmax weights P are rounded to bf16 as GPU flash kernels do. On that path the softmax runs on the scores
@@ -77,48 +78,47 @@ struct Task {  // query blocks [b0, b1) of one sequence, for every query head th
   int64_t seq, kvh, b0, b1, cost;
 };
 
-typedef float vf __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register, two AVX2 ones
-constexpr int64_t VW = 16;
 constexpr int64_t RG = 4;  // query rows whose scores are accumulated together in registers
 #ifdef __AVX512F__
+typedef float vf __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register (32 of them)
+constexpr int64_t VW = 16;
+constexpr int64_t NS = 4;  // vectors of keys whose scores RG rows accumulate together: 16 accumulators (a tile)
 // query rows whose outputs are accumulated together: 16 accumulator registers (of 32), enough in flight to hide the
 // FMA latency
 template <int64_t D> constexpr int64_t RP = 256 / D;
+template <int64_t D> constexpr int64_t XC = D / VW;  // vectors of each row's output accumulated together: all
 // keeps a loaded vector in a register, so that the compiler does not fold its load into every FMA that uses it
 #define IN_REGISTER(x) asm("" : "+v"(x))
 #else
-template <int64_t D> constexpr int64_t RP = 4;
+// 8 floats: one AVX2 register (16 of them). 16-float vectors, two registers each, needed 32 accumulators for a
+// tile's scores (4 rows x 4 vectors) and spilled them to the stack on every FMA.
+typedef float vf __attribute__((vector_size(32)));
+constexpr int64_t VW = 8;
+constexpr int64_t NS = 2;  // RG x NS = 8 accumulators, NS key vectors and a broadcast: 11 of the 16 registers
+template <int64_t D> constexpr int64_t RP = 2;  // 2 rows x XC = 8 accumulators, XC value vectors and a broadcast
+template <int64_t D> constexpr int64_t XC = D / VW < 4 ? D / VW : 4;
+#ifdef __AVX2__
+#define IN_REGISTER(x) asm("" : "+x"(x))
+#else
 #define IN_REGISTER(x) (void)0
+#endif
 #endif
 constexpr int64_t ROW_PAD = 8;  // a block's rows are padded to a multiple of this (of RG and every RP)
 
 inline vf vload(const float* p) { vf x; __builtin_memcpy(&x, p, sizeof x); return x; }
 inline void vstore(float* p, vf x) { __builtin_memcpy(p, &x, sizeof x); }
-typedef int32_t vi __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
-// a float in every lane; lane-wise max / min. GCC splits 16-float vectors into halves well for arithmetic but turns their compares and
-// selects into scalar code without AVX-512, so these use the instructions of each width.
+// a float in every lane; lane-wise max / min, with each width's own instructions (GCC turns vector compares and
+// selects it cannot map to one instruction into scalar code)
 #if defined(__AVX512F__)
 inline vf vsplat(float x) { return (vf)_mm512_set1_ps(x); }
 inline vf vmaxv(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
 inline vf vminv(vf a, vf b) { return (vf)_mm512_min_ps((__m512)a, (__m512)b); }
 #elif defined(__AVX2__)
-union Halves { vf v; __m256 h[2]; };
-inline vf vsplat(float x) {  // (GCC builds a 16-float splat of a runtime scalar on the stack, lane by lane)
-  Halves r;
-  r.h[0] = r.h[1] = _mm256_set1_ps(x);
-  return r.v;
-}
-inline vf vmaxv(vf a, vf b) {
-  Halves x{a}, y{b}, r;
-  for (int i = 0; i < 2; ++i) r.h[i] = _mm256_max_ps(x.h[i], y.h[i]);  // NaN in a: b
-  return r.v;
-}
-inline vf vminv(vf a, vf b) {
-  Halves x{a}, y{b}, r;
-  for (int i = 0; i < 2; ++i) r.h[i] = _mm256_min_ps(x.h[i], y.h[i]);
-  return r.v;
-}
+inline vf vsplat(float x) { return (vf)_mm256_set1_ps(x); }
+inline vf vmaxv(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }  // NaN in a: b
+inline vf vminv(vf a, vf b) { return (vf)_mm256_min_ps((__m256)a, (__m256)b); }
 #else
 inline vf vsplat(float x) { return vf{} + x; }
 inline vf vmaxv(vf a, vf b) { return a > b ? a : b; }
@@ -133,6 +133,7 @@ inline vf vexp(vf xv) {
   const __m512 n = _mm512_roundscale_ps(x * wde_exp::LOG2E, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   return (vf)_mm512_scalef_ps(wde_exp::exp_remainder(wde_exp::exp_reduce(x, n)), n);
 }
+inline vf vweight(vf d) { return vexp(d); }  // e^d for d <= 0 (or -inf): the softmax weights
 inline float vsum(vf x) { return _mm512_reduce_add_ps((__m512)x); }
 inline float vmax(vf x) { return _mm512_reduce_max_ps((__m512)x); }
 #else
@@ -149,8 +150,41 @@ inline vf vexp(vf x) {
   return p * scale * live;
 }
 
+// e^d for d <= 0 (or -inf), the softmax weights, in fewer instructions than vexp (the weights are most of a tile's
+// exps): 2^x with x = d log2 e clamped at -127, as 2^n times Cephes' exp2f polynomial of x - n in [-1/2, 1/2] (~1
+// ulp); n = -127 gives a zero exponent field, so e^d is exactly 0 below about -88 (and for -inf or NaN)
+inline vf vweight(vf d) {
+  const vf x = vmaxv(d * wde_exp::LOG2E, vsplat(-127.f));  // NaN in the first operand: -127
+  const vf magic = vsplat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (x + magic) - magic;
+  const vf f = x - n;
+  vf p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+#ifdef __AVX2__
+inline float vsum(vf x) {
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128((__m256)x), _mm256_extractf128_ps((__m256)x, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+inline float vmax(vf x) {
+  __m128 t = _mm_max_ps(_mm256_castps256_ps128((__m256)x), _mm256_extractf128_ps((__m256)x, 1));
+  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+#else
 inline float vsum(vf x) { float t = 0.f; for (int64_t i = 0; i < VW; ++i) t += x[i]; return t; }
 inline float vmax(vf x) { float t = x[0]; for (int64_t i = 1; i < VW; ++i) t = std::max(t, x[i]); return t; }
+#endif
 #endif
 
 // The keys and values of one task, converted once. Key tile t holds keys kc0 + t*KB .. + KB; keys past the task's
@@ -163,9 +197,10 @@ struct KV {
   std::vector<uint32_t> k2, v2;
 };
 
-// s[r][0:NV*VW] = qf[r] . kt[:, 0:NV*VW] for rows r0 .. r0+RG-1 (all of them in the buffers)
+// s[r][col:col+NV*VW] = qf[r] . kt[:, 0:NV*VW] for rows r0 .. r0+RG-1 (all of them in the buffers); kt: a tile's
+// column col
 template <int64_t D, int64_t NV>
-inline void scores(const float (*qf)[D], const float* kt, float (*s)[KB], int64_t r0) {
+inline void scores(const float (*qf)[D], const float* kt, float (*s)[KB], int64_t r0, int64_t col) {
   vf acc[RG][NV] = {};
   for (int64_t c = 0; c < D; ++c) {
     vf kc[NV];
@@ -180,33 +215,37 @@ inline void scores(const float (*qf)[D], const float* kt, float (*s)[KB], int64_
     }
   }
   for (int64_t r = 0; r < RG; ++r)
-    for (int64_t x = 0; x < NV; ++x) vstore(&s[r0 + r][x * VW], acc[r][x]);
+    for (int64_t x = 0; x < NV; ++x) vstore(&s[r0 + r][col + x * VW], acc[r][x]);
 }
 
-// acc[r] = acc[r] * alpha[r] + s[r][0:nk] . vt[0:nk] for rows r0 .. r0+RP-1
+// acc[r] = acc[r] * alpha[r] + s[r][0:nk] . vt[0:nk] for rows r0 .. r0+RP-1, XC vectors of the output at a time
 template <int64_t D>
 inline void accumulate(float (*acc)[D], const float* vt, const float (*s)[KB], const float* alpha, int64_t r0,
                        int64_t nk) {
-  vf o[RP<D>][D / VW];
-  for (int64_t r = 0; r < RP<D>; ++r)
-    for (int64_t x = 0; x < D / VW; ++x) o[r][x] = vload(&acc[r0 + r][x * VW]) * vsplat(alpha[r0 + r]);
-  for (int64_t j = 0; j < nk; ++j) {
-    vf vj[D / VW];
-    for (int64_t x = 0; x < D / VW; ++x) {
-      vf t = vload(vt + j * D + x * VW);
-      IN_REGISTER(t);
-      vj[x] = t;
+  static_assert((D / VW) % XC<D> == 0);
+  for (int64_t c0 = 0; c0 < D; c0 += XC<D> * VW) {
+    vf o[RP<D>][XC<D>];
+    for (int64_t r = 0; r < RP<D>; ++r)
+      for (int64_t x = 0; x < XC<D>; ++x) o[r][x] = vload(&acc[r0 + r][c0 + x * VW]) * vsplat(alpha[r0 + r]);
+    for (int64_t j = 0; j < nk; ++j) {
+      vf vj[XC<D>];
+      for (int64_t x = 0; x < XC<D>; ++x) {
+        vf t = vload(vt + j * D + c0 + x * VW);
+        IN_REGISTER(t);
+        vj[x] = t;
+      }
+      for (int64_t r = 0; r < RP<D>; ++r) {
+        const float p = s[r0 + r][j];
+        for (int64_t x = 0; x < XC<D>; ++x) o[r][x] += vsplat(p) * vj[x];
+      }
     }
-    for (int64_t r = 0; r < RP<D>; ++r) {
-      const float p = s[r0 + r][j];
-      for (int64_t x = 0; x < D / VW; ++x) o[r][x] += vsplat(p) * vj[x];
-    }
+    for (int64_t r = 0; r < RP<D>; ++r)
+      for (int64_t x = 0; x < XC<D>; ++x) vstore(&acc[r0 + r][c0 + x * VW], o[r][x]);
   }
-  for (int64_t r = 0; r < RP<D>; ++r)
-    for (int64_t x = 0; x < D / VW; ++x) vstore(&acc[r0 + r][x * VW], o[r][x]);
 }
 
 #ifdef __AVX512BF16__
+static_assert(NS == KB / VW, "the bf16 path computes a whole tile's scores at once");
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
 // acc[r] = acc[r] * alpha[r] + p2[r][0:np] . v2[0:np] for rows r0 .. r0+RP-1; p2 / v2 are pairs of bf16 along keys
@@ -238,16 +277,13 @@ constexpr bool HAS_DPBF16 = true;
 constexpr bool HAS_DPBF16 = false;
 #endif
 
-// f(std::integral_constant<int64_t, nv>) for nv in 1 .. KB / VW: kernels specialized for a tile's first nv * VW keys
-template <typename F>
+// f(std::integral_constant<int64_t, min(nv, N)>) for nv >= 1: kernels specialized for nv vectors of keys
+template <int64_t N = NS, typename F>
 inline void with_width(int64_t nv, F&& f) {
-  static_assert(KB / VW == 4);
-  switch (nv) {
-    case 1: return f(std::integral_constant<int64_t, 1>{});
-    case 2: return f(std::integral_constant<int64_t, 2>{});
-    case 3: return f(std::integral_constant<int64_t, 3>{});
-    default: return f(std::integral_constant<int64_t, 4>{});
+  if constexpr (N > 1) {
+    if (nv < N) return with_width<N - 1>(nv, f);
   }
+  return f(std::integral_constant<int64_t, N>{});
 }
 
 // the keys [kc0, kc1) of one sequence and kv head, converted into kv for the float path
@@ -316,12 +352,15 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
   alignas(64) float acc[QB][D];
   alignas(64) float s[QB][KB];
   alignas(64) float m[QB], mnew[QB], alpha[QB];
-  vf lv[QB];  // each row's sum of weights, 16 lanes
+  vf lv[QB];  // each row's sum of weights, VW lanes
   bool live[QB];
   std::fill(m, m + QB, NEG_INF);
   std::fill(mnew, mnew + QB, NEG_INF);
   for (int64_t r = 0; r < rows_padded; ++r) {
     const scalar_t* src = r < rows ? q.row(start + q0 + r, head) : nullptr;
+    if (q0 + QB + r < len)  // the next block's row (strided rows: the hardware prefetcher does not follow them)
+      for (int64_t c = 0; c < dr * (int64_t)sizeof(scalar_t); c += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(q.row(start + q0 + QB + r, head)) + c);
     for (int64_t c = 0; c < d; ++c) qf[r][c] = src && c < dr ? static_cast<float>(src[c]) * pb.scale : 0.f;
     for (int64_t c = 0; c < d; ++c) acc[r][c] = 0.f;
     lv[r] = vf{};
@@ -334,9 +373,9 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
     const int64_t nv = (nk + VW - 1) / VW;  // vectors of keys computed: s[:, 0:width]
     const int64_t width = nv * VW;
     const float* kt = kv.kf.data() + t * D * KB;
-    with_width(nv, [&](auto w) {
-      for (int64_t r0 = 0; r0 < rows_padded; r0 += RG) scores<D, w>(qf, kt, s, r0);
-    });
+    for (int64_t r0 = 0; r0 < rows_padded; r0 += RG)
+      for (int64_t x0 = 0; x0 < nv; x0 += NS)
+        with_width(nv - x0, [&](auto w) { scores<D, w>(qf, kt + x0 * VW, s, r0, x0 * VW); });
     // pass 1: mask the keys each row may not attend (only in tiles that need it); the rows' new running maxima
     const bool clean = !kv.masked[t];
     for (int64_t r = 0; r < rows_padded; ++r) {
@@ -356,7 +395,7 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
       for (int64_t x = 1; x < nv; ++x) { const vf u = vload(sr + x * VW); mv = vmaxv(mv, u); }
       mnew[r] = std::max(m[r], vmax(mv));
     }
-    // how much each row's output and sum shrink, 16 rows at a time: e^(old max - new max)
+    // how much each row's output and sum shrink, VW rows at a time: e^(old max - new max)
     for (int64_t r = 0; r < rows_padded; r += VW) {
       // a row with no key yet (max -inf) has nothing to shrink: its factor (0 here) multiplies zeros
       vstore(alpha + r, vexp(vload(m + r) - vmaxv(vload(mnew + r), vf{} - std::numeric_limits<float>::max())));
@@ -369,7 +408,7 @@ void attend_block(const Problem& pb, const Packed<const scalar_t>& q, const Pack
       } else {
         vf sv = {};
         for (int64_t x = 0; x < nv; ++x) {
-          const vf e = vexp(vload(sr + x * VW) - vsplat(mnew[r]));
+          const vf e = vweight(vload(sr + x * VW) - vsplat(mnew[r]));
           vstore(sr + x * VW, e);
           sv += e;
         }

@@ -379,11 +379,17 @@ def test_auto_picks_cpu_flash_varlen_for_unbiased_cpu_batches_of_any_length_wher
     auto._cpu_varlen = bare_backend(CpuVarlenBackend)  # type: ignore[attr-defined]
     auto._cpu_flash = bare_backend(CpuFlashVarlenBackend)  # type: ignore[attr-defined]
     short, long = packed_batch([5, 9, 3]), packed_batch([100, 300])
-    built = load_kernel() is not None and cpu_flash.avx512_build()  # its AVX2 build is slower than cpu_varlen
+    built = load_kernel() is not None and cpu_flash.vector_build()  # AVX-512 or AVX2 vectors
+    assert built == (load_kernel() is not None and "avx2" in cpu_flash.cpu_flags(cpu_flash.HOST_CPUINFO))
     assert cpu_flash.prefer_cpu_flash([5, 9, 3]) == built and cpu_flash.prefer_cpu_flash([100, 300]) == built
     assert type(auto.build_metadata(short, False).extra[0]) is (CpuFlashVarlenBackend if built else TorchSDPABackend)
     assert type(auto.build_metadata(long, False).extra[0]) is (CpuFlashVarlenBackend if built else CpuVarlenBackend)
     assert type(auto.build_metadata(long, False, torch.zeros(4, 300, 300)).extra[0]) is TorchSDPABackend
+    fresh_kernel_state.setenv("ATEN_CPU_CAPABILITY", "default")  # plain x86-64: no vectors to speak of
+    assert not cpu_flash.vector_build() and not cpu_flash.prefer_cpu_flash([100, 300])
+    fresh_kernel_state.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert cpu_flash.vector_build()
+    fresh_kernel_state.delenv("ATEN_CPU_CAPABILITY")
     fresh_kernel_state.setenv("WDE_CPU_FLASH", "0")
     load_kernel.cache_clear()
     assert type(auto.build_metadata(short, False).extra[0]) is TorchSDPABackend
@@ -398,7 +404,7 @@ import torch
 from wde.components.attention.cpu_flash import isa_flags, load_kernel, prefer_cpu_flash
 from tests.test_cpu_flash_attention import case, reference, tolerance
 assert isa_flags() == ["-mavx2", "-mfma", "-mf16c"], isa_flags()
-assert not prefer_cpu_flash([30, 300])  # auto keeps batches off the AVX2 build (slower than cpu_varlen)
+assert prefer_cpu_flash([30, 300])  # auto runs the AVX2 build (faster than cpu_varlen at 16-512 tokens)
 kernel = load_kernel()
 assert kernel is not None and not kernel.bf16_dot_products()
 for dtype in (torch.float32, torch.bfloat16):

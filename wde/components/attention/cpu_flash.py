@@ -33,7 +33,7 @@ from wde.components.base import BuildContext, Params
 from wde.components.model_input_builder import ModelInput
 from wde.components.models.cpu_linear import padded_rows
 from wde.device import HOST_CPUINFO, cpu_flags, default_device
-from wde.kernels.cpp_build import KERNELS, isa_flags, load
+from wde.kernels.cpp_build import AVX2_FLAGS, KERNELS, isa_flags, load
 
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -47,18 +47,20 @@ def load_kernel() -> ModuleType | None:
     return load(source, prefix, switch, "cpu_flash_varlen: kernel", "attention runs as cpu_varlen")
 
 
-def avx512_build() -> bool:
-    """Whether the kernel is built for AVX-512: `-march=native` on a CPU with avx512f."""
-    return isa_flags() == ["-march=native"] and "avx512f" in cpu_flags(HOST_CPUINFO)
+def vector_build() -> bool:
+    """Whether the kernel is built for AVX-512 or AVX2 vectors: `-march=native` on a CPU with avx2, or torch capped at
+    avx2 (not the plain x86-64 build of `ATEN_CPU_CAPABILITY=default`)."""
+    flags = isa_flags()
+    return flags == AVX2_FLAGS or (flags == ["-march=native"] and "avx2" in cpu_flags(HOST_CPUINFO))
 
 
 def prefer_cpu_flash(seq_lens: list[int]) -> bool:
     """Whether `auto` sends a CPU batch (without a bias) with these lengths here: wherever the kernel is built for
-    AVX-512, at any length. A sweep of mean lengths 16-512 tokens (MiniLM 12 x 32 and BERT-base 12 x 64, float32 and
-    bfloat16) found it 2-4x faster than `cpu_varlen` at every one, so the lengths, which `auto` passes for the rule
-    to use, decide nothing today. Its AVX2 build (no AVX-512, or torch capped at avx2) measured 1.6-4.6x slower than
-    `cpu_varlen` on one thread, so `auto` keeps those batches off it (docs/benchmarks.md)."""
-    return len(seq_lens) > 0 and avx512_build() and load_kernel() is not None
+    AVX-512 or AVX2, at any length. Sweeps of mean lengths 16-512 tokens (MiniLM 12 x 32 and BERT-base 12 x 64) found
+    it faster than `cpu_varlen` at every one: 2-4x on AVX-512 (float32 and bfloat16), 1.04-1.7x on an AVX2-only Zen 3
+    (float32, one thread; most at short texts), so the lengths, which `auto` passes for the rule to use, decide
+    nothing today (docs/benchmarks.md)."""
+    return len(seq_lens) > 0 and vector_build() and load_kernel() is not None
 
 
 class CpuFlashVarlenBackend(CpuVarlenBackend):
