@@ -5,8 +5,8 @@ docs/benchmarks.md). CPU batches go to `cpu_flash_varlen` (the whole packed batc
 than `cpu_varlen` and `torch_sdpa` at every mean length measured, 16-512 tokens, in docs/benchmarks.md) where its
 kernel is built for AVX-512 or AVX2 (`cpu_flash.prefer_cpu_flash`); elsewhere to `cpu_varlen` (per-sequence SDPA
 on views of the packed tensors) when their sequences are long enough for it to win (`cpu_varlen.prefer_varlen`),
-else to `torch_sdpa`. A batch with an additive bias stays on `torch_sdpa`. The choice is made per batch from the tensors'
-device and lengths, so a model placed on CPU on a machine with a GPU still works.
+else to `torch_sdpa`. A batch with an additive bias stays on `torch_sdpa`. The choice is made per batch from the
+tensors' device and lengths, so a model placed on CPU on a machine with a GPU still works.
 """
 
 from __future__ import annotations
