@@ -4,7 +4,9 @@ that fail on purpose, and a pooler whose output is NaN for one input.
 Each fails on a batch that carries the poison word (default "poison"), so a test knows the culprit; the runner
 can also fail every Nth batch (a transient fault, as the soak benchmark injects). The tokenizer can also hold
 texts longer than `hold_chars` until `HOLD` is set, to prove a slow tokenization does not block other requests.
-`fault_bert` is slow on "slow" (`SLOW_S`) and hangs on "hang" until `UNHANG` is set (a hung engine step).
+`fault_bert` is slow on "slow" (`SLOW_S`) and hangs on "hang" until `UNHANG` is set (a hung engine step); with
+`LOAD_GATE` in its environment it does not finish loading until that file exists (a slow model load, across
+processes).
 
 `register()` adds them to the process registry (idempotent); then a workflow names them, e.g.
 ``overrides=["model.name=fault_bert"]``.
@@ -12,6 +14,7 @@ texts longer than `hold_chars` until `HOLD` is set, to prove a slow tokenization
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Sequence
@@ -40,6 +43,8 @@ UNHANG = threading.Event()
 """Set by a test to end the hang of a `fault_bert` batch carrying the word "hang"."""
 HANG_GUARD_S = 120.0
 """A hung batch goes on by itself after this long, should a test fail before it sets `UNHANG`."""
+LOAD_GATE = "WDE_TEST_LOAD_GATE"
+"""The environment variable naming a file `fault_bert` waits for (up to `HANG_GUARD_S`) before it finishes loading."""
 
 
 class InjectedFault(RuntimeError):
@@ -93,6 +98,10 @@ class FaultBert(BertModel):
         self._poison = poison_id(ctx, "poison")
         self._slow = poison_id(ctx, "slow")
         self._hang = poison_id(ctx, "hang")
+        gate = os.environ.get(LOAD_GATE)
+        deadline = time.monotonic() + HANG_GUARD_S
+        while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def forward(self, batch: ModelInput) -> torch.Tensor:
         check(batch.input_ids, self._poison, "model")

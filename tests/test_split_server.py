@@ -12,6 +12,8 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,8 +21,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.faults import SLOW_S
-from tests.test_server import metric, serve_split
+from tests.faults import HANG_GUARD_S, LOAD_GATE, SLOW_S
+from tests.test_server import REPO, free_port, metric, serve_split, stop_server, wait_healthy
 from wde import Engine
 from wde.core import wire
 from wde.errors import RequestError
@@ -139,6 +141,45 @@ def test_a_dead_core_is_seen_at_once_and_the_server_exits_3(minilm_path: Path, t
         assert any(isinstance(a, httpx.Response) and "core process exited" in a.text for a in answers)
         assert proc.wait(60) == 3
     assert "engine-core" in log.read_text() and "exited with code" in log.read_text()
+
+
+def test_api_servers_get_ready_while_the_model_loads(minilm_path: Path, minilm_engine: Engine,
+                                                     tmp_path: Path) -> None:
+    """The API servers start with the core, not after it: while the model's load is held (`LOAD_GATE`), both
+    already run and have torch loaded; once it finishes they serve the model's vectors."""
+    import psutil
+
+    gate, log = tmp_path / "gate", tmp_path / "serve.log"
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "serve_with_faults.py"), "serve", "--model", str(minilm_path),
+             "--port", str(port), "--api-servers", "2", *FAULTS], stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(REPO), LOAD_GATE: str(gate)})
+    try:
+        def loaded_torch(p: psutil.Process) -> bool:
+            try:
+                return any("libtorch_cpu" in m.path for m in p.memory_maps())
+            except psutil.Error:
+                return False
+
+        deadline = time.monotonic() + HANG_GUARD_S - 10  # the gate holds the load this long at most
+        while True:  # multiprocessing's resource tracker is a child too
+            children = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+            if len(children) == 3 and all(loaded_torch(c) for c in children):
+                break  # the core and both API servers, libraries imported, while the model cannot finish loading
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert "serving model" not in log.read_text()
+        gate.touch()
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, lambda: proc.poll() is None, timeout=300)
+        got = httpx.post(f"{url}/v1/embeddings", json={"input": "a fine sentence"}, timeout=60)
+        assert got.status_code == 200, got.text
+        assert np.abs(np.array(got.json()["data"][0]["embedding"]) - minilm_engine.embed("a fine sentence")).max() <= 1e-5
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 0, log.read_text()[-3000:]
 
 
 def test_bad_api_servers_value_is_refused(minilm_path: Path) -> None:

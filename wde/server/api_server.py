@@ -31,11 +31,11 @@ def routing_id(index: int, generation: int) -> bytes:
     return f"a{index}.{generation}".encode()
 
 
-def api_server_main(config: ServerConfig, infos: list[EngineInfo], addresses: list[str], index: int,
-                    generation: int, sockets: list[socket.socket], ready: Connection) -> None:
+def api_server_main(config: ServerConfig, addresses: list[str], index: int, generation: int,
+                    sockets: list[socket.socket], ready: Connection) -> None:
     """The process's body: serve on `sockets` until SIGTERM, or until a core goes away (exit 3). Each served
-    model has its core (`addresses`, in `config.served_models()` order, described by `infos`); this process holds
-    a client of each."""
+    model has its core (`addresses`, in `config.served_models()` order, described by the `EngineInfo` list the
+    launcher sends on `ready` once the models are loaded); this process holds a client of each."""
     from wde.core.client import CoreClient
     from wde.core.engine_core import EXIT_GAVE_UP
     from wde.core.frontend import Frontend
@@ -50,9 +50,10 @@ def api_server_main(config: ServerConfig, infos: list[EngineInfo], addresses: li
     signal.signal(signal.SIGTERM, lambda signum, _: told.append(signum))  # told to stop before serving
     _log_to_stderr(config.log_level)
     rid = routing_id(index, generation)
+    resolved = [resolve(**config.engine_args(i)) for i in range(len(addresses))]
+    infos = _described(ready, told)
     clients = []
-    for i, (info, address) in enumerate(zip(infos, addresses)):
-        workflow, source = resolve(**config.engine_args(i))
+    for (workflow, source), info, address in zip(resolved, infos, addresses):
         clients.append(CoreClient(Frontend(workflow, source, info), address, config.max_concurrent_requests,
                                   tag=f"{rid.decode()}.", routing_id=rid))
     app = create_app(clients, config)
@@ -70,6 +71,18 @@ def api_server_main(config: ServerConfig, infos: list[EngineInfo], addresses: li
     with frozen_heap():
         server.run(sockets=sockets)
     raise SystemExit(EXIT_GAVE_UP if any(client.error is not None for client in clients) else 0)
+
+
+def _described(ready: Connection, told: list[int]) -> list[EngineInfo]:
+    """The cores' descriptions, once the launcher sends them (their models are loaded); exits 0 when told to stop
+    first, or when the launcher is gone."""
+    while not ready.poll(0.1):
+        if told:
+            raise SystemExit(0)
+    try:
+        return ready.recv()
+    except EOFError:
+        raise SystemExit(0) from None
 
 
 def counting(protocol: type[asyncio.Protocol], index: int) -> type[asyncio.Protocol]:

@@ -2,8 +2,9 @@
 
 The launcher checks the port and makes each API server's listening sockets first (a port in use fails at once,
 nothing loaded; `wde.server.listeners`: with `SO_REUSEPORT` each API server has sockets of its own and the kernel
-spreads connections over them), starts the core (`wde.core.engine_core`), waits until its model is loaded, starts
-N API-server processes (`wde.server.api_server`), then watches all of them. A server of several models
+spreads connections over them), starts the core (`wde.core.engine_core`) and N API-server processes (`wde.server.api_server`) at
+once, sends the API servers the core's description (`EngineInfo`) once its model is loaded, then watches all of them
+(an API server imports its libraries and builds its tokenizer while the model loads). A server of several models
 (`wde serve --model A --model B`) has one core per model, loading at once, each on its own socket; every API
 server is a client of every core, and the death of any core stops the server (exit 3), as the one core's does.
 
@@ -128,6 +129,11 @@ def run_split_server(config: ServerConfig, api_servers: int) -> int:
                 cores[-1].start()
                 ready_child.close()
                 readies.append(ready)
+            # The API servers start now too: they import and wait for the cores' descriptions while the models
+            # load (on 2 vCPUs a server of 2 API servers got healthy in ~13 s instead of ~20 s).
+            apis = _ApiServers(ctx, config, addresses, listeners, metrics_dir)
+            apis.start(first)
+            first = []
             infos = []
             for core, ready in zip(cores, readies):
                 info = _await_ready(core, ready, stopping)
@@ -135,9 +141,7 @@ def run_split_server(config: ServerConfig, api_servers: int) -> int:
                     return 0
                 check_long_inputs(config, info)
                 infos.append(info)
-            apis = _ApiServers(ctx, config, infos, addresses, listeners, metrics_dir)
-            apis.start(first)
-            first = []
+            apis.describe(infos)
             names = name_table(config.served_models())
             pids = ", ".join(f"{c.pid}" + (f" ({names[i][0]})" if count > 1 else "") for i, c in enumerate(cores))
             log.info("%s; engine core pid %s; API server pids %s",
@@ -210,7 +214,8 @@ class _Slot:
         """Processes started in this place before the current one (its routing id is `routing_id(index, this)`)."""
         self.proc: BaseProcess | None = None
         self.ready: Connection | None = None
-        """The launcher's end of the pipe the process says "serving" on; closed once it did."""
+        """The launcher's end of the process's pipe: the cores' descriptions go down it, "serving" comes back up;
+        closed once the process said it."""
         self.serving = False
         self.start_failures = 0
         """Deaths before serving, in a row."""
@@ -221,15 +226,17 @@ class _Slot:
 class _ApiServers:
     """Starts the API servers, watches them with the core, and restarts the ones that die (module docstring)."""
 
-    def __init__(self, ctx: multiprocessing.context.SpawnContext, config: ServerConfig, infos: list[EngineInfo],
-                 addresses: list[str], listeners: SplitListeners, metrics_dir: str) -> None:
+    def __init__(self, ctx: multiprocessing.context.SpawnContext, config: ServerConfig, addresses: list[str],
+                 listeners: SplitListeners, metrics_dir: str) -> None:
         import zmq
 
         from wde.core.engine_core import socket as core_socket
 
         self.ctx = ctx
         self.config = config
-        self.infos = infos
+        self.infos: list[EngineInfo] | None = None
+        """Each core's description once its model is loaded (`describe`); every process started after gets it at
+        once."""
         self.addresses = addresses
         """Each served model's core, in `config.served_models()` order."""
         self.listeners = listeners
@@ -245,6 +252,14 @@ class _ApiServers:
         for i, sockets in enumerate(first):
             self.slots.append(_Slot(i))
             self._start(self.slots[-1], sockets)
+
+    def describe(self, infos: list[EngineInfo]) -> None:
+        """The cores are ready: send their descriptions to the API servers started before (one that died meanwhile
+        is seen, and restarted, by `supervise`)."""
+        self.infos = infos
+        for s in self.slots:
+            if s.ready is not None:
+                _send(s.ready, infos)
 
     def close(self) -> None:
         for s in self.slots:
@@ -287,16 +302,17 @@ class _ApiServers:
         s.generation += 1
         s.restart_at = None
         s.serving = False
-        ready, ready_child = self.ctx.Pipe(duplex=False)
+        ready, ready_child = self.ctx.Pipe()
         proc = self.ctx.Process(target=api_server_main, name=s.name,
-                                args=(self.config, self.infos, self.addresses, s.index, s.generation, sockets,
-                                      ready_child))
+                                args=(self.config, self.addresses, s.index, s.generation, sockets, ready_child))
         try:
             proc.start()
         finally:
             ready_child.close()
             self.listeners.release(sockets)  # the process has its own copies
         s.proc, s.ready = proc, ready
+        if self.infos is not None:
+            _send(ready, self.infos)
         return proc
 
     def _note_serving(self) -> None:
@@ -306,8 +322,8 @@ class _ApiServers:
                     s.ready.recv()
                     s.serving = True
                     s.start_failures = 0
-                except EOFError:  # it died before it served: seen with its exit
-                    pass
+                except (EOFError, OSError):  # it died before it served (a reset: it died before it read the
+                    pass                          # descriptions sent to it): seen with its exit
                 s.ready.close()
                 s.ready = None
 
@@ -342,6 +358,15 @@ class _ApiServers:
         s.restart_at = time.monotonic() + delay
         log.error("%s (pid %d) %s before it could serve; restarting it in %.1f s", s.name, dead.pid, how, delay)
         return True
+
+
+def _send(ready: Connection, infos: list[EngineInfo]) -> None:
+    """The cores' descriptions to an API server (a few hundred bytes: never blocks); one that already died is seen
+    with its exit."""
+    try:
+        ready.send(infos)
+    except OSError:
+        pass
 
 
 def _ended(exitcode: int | None) -> str:
