@@ -32,3 +32,20 @@ def test_registration_names_import_no_torch() -> None:
     code = ("import sys; from wde.api import hookimpl, LazyComponent, Params, ModelParams, AttentionParams, "
             "SentencePoolerParams; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_serve_option_checks_import_no_torch(tmp_path: Path) -> None:
+    """`wde serve` checks its options and that each model folder is there before it imports torch, the engine and
+    FastAPI: a typo or a wrong path is refused in one line at once, not after seconds of imports."""
+    code = ("import sys; from wde.server import ServerConfig; from wde.server.model_config import from_options;"
+            " from wde.model_source import ModelSource; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+    probe = ("import sys; from wde.cli import main; code = 0\n"
+             "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+             "print('torch' in sys.modules, code)")
+    for args in (["--model", str(tmp_path / "absent")], ["--model", "a", "--served-model-name", "x,y",
+                                                          "--served-model-name", "z"]):
+        out = subprocess.run([sys.executable, "-c", probe, "serve", *args], capture_output=True, text=True, cwd=ROOT,
+                             timeout=120)
+        assert out.stdout.split() == ["False", "1"], out.stdout + out.stderr
+        assert out.stderr.startswith("Error: ") and len(out.stderr.strip().splitlines()) == 1, out.stderr

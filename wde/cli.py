@@ -486,8 +486,8 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
     the cause: port in use, bad host, broken model folder...; nothing is loaded when the port is taken), and 3 when
     the engine loop failed repeatedly, so a process supervisor restarts the server (docs/operations.md).
     """
-    from wde.server import ServerConfig, run_server
-    from wde.server.app import EngineFailed
+    from wde.model_source import ModelSource
+    from wde.server import ServerConfig
     from wde.server.config import LimitError
     from wde.server.model_config import from_options, load_serve_config, with_overrides
     from wde.server.startup import StartupError
@@ -524,6 +524,10 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
                               image_fetch_timeout=image_fetch_timeout, image_fetch_max_urls=image_fetch_max_urls,
                               image_fetch_max_bytes=image_fetch_max_bytes, image_fetch_deadline=image_fetch_deadline,
                               image_fetch_connections=image_fetch_connections, log_level=log_level)
+        for served_model in config.served_models():  # a model that is not there fails before torch is imported
+            ModelSource.from_model(served_model.model, trust_remote_code=trust_remote_code)
+    except ModelLoadError as e:
+        raise click.ClickException(str(e)) from None
     except LimitError as e:  # a start-up refusal like any other: one line naming the option, exit 1
         raise click.ClickException(e.message(e.option)) from None
     except StartupError as e:  # mismatched --model/--workflow/--served-model-name, a bad --config: one line
@@ -536,6 +540,8 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
     if api_servers != "auto" and not (api_servers.isdigit() and int(api_servers) <= 64):
         raise click.BadParameter(f"must be 'auto' or a number of processes from 0 to 64, got {api_servers!r}",
                                  param_hint="--api-servers")
+    from wde.server.app import EngineFailed, run_server  # torch, the engine, FastAPI: only once the options hold
+
     try:
         if api_servers == "auto" or int(api_servers) > 0:
             from wde.server.processes import default_api_servers, run_split_server

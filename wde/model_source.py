@@ -12,11 +12,12 @@ import stat
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from wde.errors import ModelLoadError, one_line
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -180,6 +181,8 @@ class ModelSource:
 
 def _torch_load(path: Path) -> Any:
     """A pickled state dict (`weights_only`); a truncated or corrupt file is a one-line error naming it."""
+    import torch
+
     try:
         state = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError (bad zip): all "unreadable"
