@@ -490,7 +490,7 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
     from wde.server import ServerConfig
     from wde.server.config import LimitError
     from wde.server.model_config import from_options, load_serve_config, with_overrides
-    from wde.server.startup import StartupError
+    from wde.server.startup import EngineFailed, StartupError
 
     try:
         every = list(overrides) + image_limit_overrides(
@@ -540,8 +540,6 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
     if api_servers != "auto" and not (api_servers.isdigit() and int(api_servers) <= 64):
         raise click.BadParameter(f"must be 'auto' or a number of processes from 0 to 64, got {api_servers!r}",
                                  param_hint="--api-servers")
-    from wde.server.app import EngineFailed, run_server  # torch, the engine, FastAPI: only once the options hold
-
     try:
         if api_servers == "auto" or int(api_servers) > 0:
             from wde.server.processes import default_api_servers, run_split_server
@@ -553,6 +551,8 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
                                        f" but --api-servers {api_servers} runs each model's engine core in a process"
                                        " of its own; give --api-servers 0")
                 sys.exit(run_split_server(config, count))
+        from wde.server.app import run_server  # torch, the engine, FastAPI: only once the options hold
+
         run_server(config)
     except EngineFailed as e:
         click.echo(f"Error: {e}", err=True)

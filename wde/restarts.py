@@ -5,6 +5,10 @@ from __future__ import annotations
 import time
 from collections import deque
 
+EXIT_GAVE_UP = 3
+"""The exit code of a server, or engine-core process, whose engine loop failed more often than its restart budget
+allows (or whose core died): a supervisor restarts it."""
+
 
 class RestartBudget:
     """At most `max_restarts` restarts within any `window_s` seconds."""

@@ -30,14 +30,12 @@ from wde.core.heartbeat import Heartbeat, heartbeat_path
 from wde.engine import Engine
 from wde.errors import RequestError
 from wde.request import RequestOutput
-from wde.restarts import RestartBudget
+from wde.restarts import EXIT_GAVE_UP, RestartBudget
 
 log = logging.getLogger("wde.core")
 
 IDLE_POLL_MS = 100
 """How long an idle core waits for messages before it looks at its stop flag again."""
-EXIT_GAVE_UP = 3
-"""Exit code after the loop failed more often than the restart budget allows (as `wde serve`'s)."""
 
 
 def socket(address: str, kind: int, bind: bool, context: zmq.Context | None = None, *,

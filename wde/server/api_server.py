@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from wde.restarts import EXIT_GAVE_UP
 from wde.server.heap import frozen_heap
 
 if TYPE_CHECKING:
@@ -37,18 +38,17 @@ def api_server_main(config: ServerConfig, addresses: list[str], index: int, gene
     model has its core (`addresses`, in `config.served_models()` order, described by the `EngineInfo` list the
     launcher sends on `ready` once the models are loaded); this process holds a client of each."""
     from wde.core.client import CoreClient
-    from wde.core.engine_core import EXIT_GAVE_UP
     from wde.core.frontend import Frontend
     from wde.engine import resolve
-    from wde.server.app import _log_to_stderr, create_app
+    from wde.server.app import create_app
     from wde.server.processes import quieter
-    from wde.server.startup import LISTEN_BACKLOG
+    from wde.server.startup import LISTEN_BACKLOG, log_to_stderr
     from wde.server.timeouts import http_protocol
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     told: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _: told.append(signum))  # told to stop before serving
-    _log_to_stderr(config.log_level)
+    log_to_stderr(config.log_level)
     rid = routing_id(index, generation)
     resolved = [resolve(**config.engine_args(i)) for i in range(len(addresses))]
     infos = _described(ready, told)

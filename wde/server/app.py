@@ -35,7 +35,8 @@ from wde.server.middleware import (ApiKeyMiddleware, JsonContentTypeMiddleware, 
                                    PayloadLimitMiddleware, RequestIdMiddleware)
 from wde.server.model_config import name_table
 from wde.server.service import ClientDisconnected, ServedModels, Service
-from wde.server.startup import StartupError, check_metrics_dir, listen, startup_line
+from wde.server.startup import (EngineFailed, StartupError, check_metrics_dir, listen, log_to_stderr,
+                                startup_line)
 from wde.server.timeouts import BodyTimeoutMiddleware, client_gone, http_protocol
 
 _ROUTERS = (openai_routes.router, score_routes.router, rerank_routes.router, cohere_routes.router, tei_routes.router,
@@ -118,24 +119,8 @@ def create_app(engine: Engine | CoreClient | Sequence[Engine | CoreClient],
     return app
 
 
-def _log_to_stderr(level: str = "info") -> None:
-    """The server's own log lines (failed requests with their ids and tracebacks, restarts, hints) on stderr,
-    timestamped, at `level` (`wde serve --log-level`); where logging is already set up (a library user's, a test
-    runner's) it is left alone."""
-    log = logging.getLogger("wde")
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(level.upper())
-
-
 def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
-
-
-class EngineFailed(RuntimeError):
-    """The engine loop gave up after repeated failures; `wde serve` exits non-zero so a supervisor restarts it."""
 
 
 def share_tokens(engines: Sequence[Engine], names: Sequence[str], config: ServerConfig,
@@ -167,7 +152,7 @@ def run_server(config: ServerConfig) -> None:
     loaded, as does an unusable `PROMETHEUS_MULTIPROC_DIR`. Raises `EngineFailed` after a shutdown caused by the
     engine loop giving up (see `AsyncEngine`).
     """
-    _log_to_stderr(config.log_level)
+    log_to_stderr(config.log_level)
     check_metrics_dir()
     sockets = listen(config.host, config.port)
     try:

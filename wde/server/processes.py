@@ -43,14 +43,12 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 from wde.core import wire
-from wde.core.engine_core import EXIT_GAVE_UP
-from wde.restarts import RestartBudget
+from wde.restarts import EXIT_GAVE_UP, RestartBudget
 from wde.server.api_server import api_server_main, routing_id
 from wde.server.grpc import prepare as prepare_grpc
 from wde.server.heap import frozen_heap
 from wde.server.listeners import SplitListeners
-from wde.server.service import check_long_inputs
-from wde.server.startup import StartupError
+from wde.server.startup import StartupError, log_to_stderr
 
 if TYPE_CHECKING:
     from wde.core.engine_core import EngineCore
@@ -94,11 +92,11 @@ def default_api_servers(device: str | None = None) -> int:
 def run_split_server(config: ServerConfig, api_servers: int) -> int:
     """Serve with each model's engine core in its own process; returns the exit code (see the module docstring)."""
     from wde.engine import resolve
-    from wde.server.app import _log_to_stderr
     from wde.server.model_config import name_table
+    from wde.server.service import check_long_inputs
     from wde.server.startup import startup_line
 
-    _log_to_stderr(config.log_level)
+    log_to_stderr(config.log_level)
     listeners = SplitListeners(config.host, config.port)  # before anything loads: a port in use fails at once
     first: list[list[socket.socket]] = []
     workdir: str | None = None
@@ -228,10 +226,6 @@ class _ApiServers:
 
     def __init__(self, ctx: multiprocessing.context.SpawnContext, config: ServerConfig, addresses: list[str],
                  listeners: SplitListeners, metrics_dir: str) -> None:
-        import zmq
-
-        from wde.core.engine_core import socket as core_socket
-
         self.ctx = ctx
         self.config = config
         self.infos: list[EngineInfo] | None = None
@@ -242,8 +236,8 @@ class _ApiServers:
         self.listeners = listeners
         self.metrics_dir = metrics_dir
         self.slots: list[_Slot] = []
-        self._cores = [core_socket(a, zmq.DEALER, bind=False, routing_id=b"launcher") for a in addresses]
-        """Where `wire.Gone` goes when an API server died: every core."""
+        self._cores: list = []
+        """Where `wire.Gone` goes when an API server died: every core (connected once they are ready)."""
 
     def processes(self) -> list[BaseProcess]:
         return [s.proc for s in self.slots if s.proc is not None]
@@ -256,6 +250,11 @@ class _ApiServers:
     def describe(self, infos: list[EngineInfo]) -> None:
         """The cores are ready: send their descriptions to the API servers started before (one that died meanwhile
         is seen, and restarted, by `supervise`)."""
+        import zmq
+
+        from wde.core.engine_core import socket as core_socket
+
+        self._cores = [core_socket(a, zmq.DEALER, bind=False, routing_id=b"launcher") for a in self.addresses]
         self.infos = infos
         for s in self.slots:
             if s.ready is not None:
@@ -431,13 +430,12 @@ def _core_main(config: ServerConfig, index: int, address: str, ready: Connection
     from wde.core.engine_core import EngineCore
     from wde.engine import Engine
     from wde.errors import ModelLoadError
-    from wde.server.app import _log_to_stderr
     from wde.server.metrics import ServerMetrics
     from wde.server.model_config import name_table
 
     launcher = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _log_to_stderr(config.log_level)
+    log_to_stderr(config.log_level)
     try:
         engine = Engine.from_workflow(**config.engine_args(index))
     except ModelLoadError as e:  # the launcher raises it again: `wde serve` prints it and exits 1

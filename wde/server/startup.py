@@ -8,6 +8,7 @@ cause, exit status 1, no traceback unless `--log-level debug`."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import socket
 import tempfile
@@ -16,6 +17,22 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:
     from wde.engine_info import EngineInfo
     from wde.server.config import ServerConfig
+
+
+class EngineFailed(RuntimeError):
+    """The engine loop gave up after repeated failures; `wde serve` exits non-zero so a supervisor restarts it."""
+
+
+def log_to_stderr(level: str = "info") -> None:
+    """The server's own log lines (failed requests with their ids and tracebacks, restarts, hints) on stderr,
+    timestamped, at `level` (`wde serve --log-level`); where logging is already set up (a library user's, a test
+    runner's) it is left alone."""
+    log = logging.getLogger("wde")
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(level.upper())
 
 
 def address(host: str, port: int) -> str:
