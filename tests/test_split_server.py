@@ -19,7 +19,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import pytest
 
 from tests.faults import HANG_GUARD_S, LOAD_GATE, SLOW_S
 from tests.test_server import REPO, free_port, metric, serve_split, stop_server, wait_healthy
@@ -176,7 +175,8 @@ def test_api_servers_get_ready_while_the_model_loads(minilm_path: Path, minilm_e
         wait_healthy(url, lambda: proc.poll() is None, timeout=300)
         got = httpx.post(f"{url}/v1/embeddings", json={"input": "a fine sentence"}, timeout=60)
         assert got.status_code == 200, got.text
-        assert np.abs(np.array(got.json()["data"][0]["embedding"]) - minilm_engine.embed("a fine sentence")).max() <= 1e-5
+        got = np.array(got.json()["data"][0]["embedding"])
+        assert np.abs(got - minilm_engine.embed("a fine sentence")).max() <= 1e-5
     finally:
         stop_server(proc)
     assert proc.returncode == 0, log.read_text()[-3000:]

@@ -490,7 +490,8 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
     from wde.server import ServerConfig
     from wde.server.config import LimitError
     from wde.server.model_config import from_options, load_serve_config, with_overrides
-    from wde.server.startup import EngineFailed, StartupError
+    from wde.restarts import EngineFailed
+    from wde.server.startup import StartupError
 
     try:
         every = list(overrides) + image_limit_overrides(

@@ -10,6 +10,11 @@ EXIT_GAVE_UP = 3
 allows (or whose core died): a supervisor restarts it."""
 
 
+class EngineFailed(RuntimeError):
+    """The engine loop gave up after repeated failures; `wde serve` exits `EXIT_GAVE_UP` so a supervisor restarts
+    it."""
+
+
 class RestartBudget:
     """At most `max_restarts` restarts within any `window_s` seconds."""
 

@@ -20,6 +20,7 @@ import wde
 from wde.async_engine import AsyncEngine
 from wde.core.client import CoreClient
 from wde.engine import Engine
+from wde.restarts import EngineFailed
 from wde.serving import ServingFrontEnd
 from wde.token_pool import TokenPool
 from wde.server import (cohere_routes, lora_routes, openai_routes, rerank_routes, score_routes, tei_routes,
@@ -35,8 +36,7 @@ from wde.server.middleware import (ApiKeyMiddleware, JsonContentTypeMiddleware, 
                                    PayloadLimitMiddleware, RequestIdMiddleware)
 from wde.server.model_config import name_table
 from wde.server.service import ClientDisconnected, ServedModels, Service
-from wde.server.startup import (EngineFailed, StartupError, check_metrics_dir, listen, log_to_stderr,
-                                startup_line)
+from wde.server.startup import StartupError, check_metrics_dir, listen, log_to_stderr, startup_line
 from wde.server.timeouts import BodyTimeoutMiddleware, client_gone, http_protocol
 
 _ROUTERS = (openai_routes.router, score_routes.router, rerank_routes.router, cohere_routes.router, tei_routes.router,

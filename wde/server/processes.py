@@ -2,9 +2,10 @@
 
 The launcher checks the port and makes each API server's listening sockets first (a port in use fails at once,
 nothing loaded; `wde.server.listeners`: with `SO_REUSEPORT` each API server has sockets of its own and the kernel
-spreads connections over them), starts the core (`wde.core.engine_core`) and N API-server processes (`wde.server.api_server`) at
-once, sends the API servers the core's description (`EngineInfo`) once its model is loaded, then watches all of them
-(an API server imports its libraries and builds its tokenizer while the model loads). A server of several models
+spreads connections over them), starts the core (`wde.core.engine_core`) and N API-server processes
+(`wde.server.api_server`) at once, sends the API servers the core's description (`EngineInfo`) once its model is
+loaded, then watches all of them (an API server imports its libraries and resolves its workflow while the model
+loads). A server of several models
 (`wde serve --model A --model B`) has one core per model, loading at once, each on its own socket; every API
 server is a client of every core, and the death of any core stops the server (exit 3), as the one core's does.
 
@@ -128,7 +129,7 @@ def run_split_server(config: ServerConfig, api_servers: int) -> int:
                 ready_child.close()
                 readies.append(ready)
             # The API servers start now too: they import and wait for the cores' descriptions while the models
-            # load (on 2 vCPUs a server of 2 API servers got healthy in ~13 s instead of ~20 s).
+            # load (on 2 vCPUs a server of 2 API servers got healthy in ~15 s instead of ~20 s).
             apis = _ApiServers(ctx, config, addresses, listeners, metrics_dir)
             apis.start(first)
             first = []

@@ -19,10 +19,6 @@ if TYPE_CHECKING:
     from wde.server.config import ServerConfig
 
 
-class EngineFailed(RuntimeError):
-    """The engine loop gave up after repeated failures; `wde serve` exits non-zero so a supervisor restarts it."""
-
-
 def log_to_stderr(level: str = "info") -> None:
     """The server's own log lines (failed requests with their ids and tracebacks, restarts, hints) on stderr,
     timestamped, at `level` (`wde serve --log-level`); where logging is already set up (a library user's, a test
