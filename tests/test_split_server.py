@@ -146,8 +146,6 @@ def test_api_servers_get_ready_while_the_model_loads(minilm_path: Path, minilm_e
                                                      tmp_path: Path) -> None:
     """The API servers start with the core, not after it: while the model's load is held (`LOAD_GATE`), both
     already run and have torch loaded; once it finishes they serve the model's vectors."""
-    import psutil
-
     gate, log = tmp_path / "gate", tmp_path / "serve.log"
     port = free_port()
     with open(log, "wb") as out:
@@ -156,16 +154,10 @@ def test_api_servers_get_ready_while_the_model_loads(minilm_path: Path, minilm_e
              "--port", str(port), "--api-servers", "2", *FAULTS], stdout=out, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(REPO), LOAD_GATE: str(gate)})
     try:
-        def loaded_torch(p: psutil.Process) -> bool:
-            try:
-                return any("libtorch_cpu" in m.path for m in p.memory_maps())
-            except psutil.Error:
-                return False
-
         deadline = time.monotonic() + HANG_GUARD_S - 10  # the gate holds the load this long at most
-        while True:  # multiprocessing's resource tracker is a child too
-            children = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
-            if len(children) == 3 and all(loaded_torch(c) for c in children):
+        while True:
+            children = _spawned_children(proc.pid)
+            if len(children) == 3 and all(_maps(pid, "libtorch_cpu") for pid in children):
                 break  # the core and both API servers, libraries imported, while the model cannot finish loading
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
@@ -180,6 +172,28 @@ def test_api_servers_get_ready_while_the_model_loads(minilm_path: Path, minilm_e
     finally:
         stop_server(proc)
     assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The processes `multiprocessing` spawned for `pid` (not its resource tracker), from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            if entry.name.isdigit() and int(stat.rpartition(")")[2].split()[1]) == pid and \
+                    b"spawn_main" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _maps(pid: int, library: str) -> bool:
+    """Whether process `pid` has `library` mapped (it imported it)."""
+    try:
+        return library in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
 
 
 def test_bad_api_servers_value_is_refused(minilm_path: Path) -> None:
