@@ -178,12 +178,13 @@ def _spawned_children(pid: int) -> list[int]:
     """The processes `multiprocessing` spawned for `pid` (not its resource tracker), from /proc."""
     found = []
     for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
-            stat = (entry / "stat").read_text()
-            if entry.name.isdigit() and int(stat.rpartition(")")[2].split()[1]) == pid and \
-                    b"spawn_main" in (entry / "cmdline").read_bytes():
+            parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])  # after the command's name
+            if parent == pid and b"spawn_main" in (entry / "cmdline").read_bytes():
                 found.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
+        except (OSError, ValueError, IndexError):  # the process ended meanwhile
             continue
     return found
 

@@ -487,10 +487,10 @@ def serve(workflows: tuple[str, ...], models: tuple[str, ...], serve_config: str
     the engine loop failed repeatedly, so a process supervisor restarts the server (docs/operations.md).
     """
     from wde.model_source import ModelSource
+    from wde.restarts import EngineFailed
     from wde.server import ServerConfig
     from wde.server.config import LimitError
     from wde.server.model_config import from_options, load_serve_config, with_overrides
-    from wde.restarts import EngineFailed
     from wde.server.startup import StartupError
 
     try:

@@ -5,9 +5,9 @@ nothing loaded; `wde.server.listeners`: with `SO_REUSEPORT` each API server has 
 spreads connections over them), starts the core (`wde.core.engine_core`) and N API-server processes
 (`wde.server.api_server`) at once, sends the API servers the core's description (`EngineInfo`) once its model is
 loaded, then watches all of them (an API server imports its libraries and resolves its workflow while the model
-loads). A server of several models
-(`wde serve --model A --model B`) has one core per model, loading at once, each on its own socket; every API
-server is a client of every core, and the death of any core stops the server (exit 3), as the one core's does.
+loads). A server of several models (`wde serve --model A --model B`) has one core per model, loading at once, each
+on its own socket; every API server is a client of every core, and the death of any core stops the server (exit
+3), as the one core's does.
 
 An API server that dies (killed, crashed, out of memory) takes the connections it holds with it: their clients
 see the connection reset, and the connections waiting in its backlog are reset too. The others keep serving; the
@@ -227,6 +227,10 @@ class _ApiServers:
 
     def __init__(self, ctx: multiprocessing.context.SpawnContext, config: ServerConfig, addresses: list[str],
                  listeners: SplitListeners, metrics_dir: str) -> None:
+        import zmq
+
+        from wde.core.engine_core import socket as core_socket
+
         self.ctx = ctx
         self.config = config
         self.infos: list[EngineInfo] | None = None
@@ -237,8 +241,8 @@ class _ApiServers:
         self.listeners = listeners
         self.metrics_dir = metrics_dir
         self.slots: list[_Slot] = []
-        self._cores: list = []
-        """Where `wire.Gone` goes when an API server died: every core (connected once they are ready)."""
+        self._cores = [core_socket(a, zmq.DEALER, bind=False, routing_id=b"launcher") for a in addresses]
+        """Where `wire.Gone` goes when an API server died: every core."""
 
     def processes(self) -> list[BaseProcess]:
         return [s.proc for s in self.slots if s.proc is not None]
@@ -251,11 +255,6 @@ class _ApiServers:
     def describe(self, infos: list[EngineInfo]) -> None:
         """The cores are ready: send their descriptions to the API servers started before (one that died meanwhile
         is seen, and restarted, by `supervise`)."""
-        import zmq
-
-        from wde.core.engine_core import socket as core_socket
-
-        self._cores = [core_socket(a, zmq.DEALER, bind=False, routing_id=b"launcher") for a in self.addresses]
         self.infos = infos
         for s in self.slots:
             if s.ready is not None:
